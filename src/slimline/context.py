@@ -1,0 +1,73 @@
+"""What a step sees while it runs: the task, the recipe, where to write, and how to measure.
+
+A step handler is ``fn(config, candidate, ctx) -> candidate``. It writes its artifacts under
+``ctx.workdir`` (that directory becomes the step's cache entry, so it must hold everything the
+returned candidates point to). A step that tries several variants returns the one it picked and
+appends the others to ``ctx.alternatives`` with ``accepted=False`` and a measured ``reason``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .candidate import Candidate
+from .recipe import Recipe
+from .task import Task
+
+if TYPE_CHECKING:
+    from .measure.quality import Quality, Reference
+
+__all__ = ["StepContext"]
+
+
+@dataclass
+class StepContext:
+    task: Task
+    recipe: Recipe
+    workdir: Path
+    baseline: Candidate  # fp32-onnx: the reference every ratio is taken against
+    reference: Reference  # FP32 outputs on the evaluation data
+    alternatives: list[Candidate] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    # injected by the pipeline so steps measure the same way the pipeline does
+    _evaluate: Callable[[Candidate], Quality] | None = None
+    _compare: Callable[[list[Candidate]], dict[str, dict[str, Any]]] | None = None
+
+    @property
+    def threads(self) -> int:
+        return self.recipe.target.threads
+
+    def evaluate(self, cand: Candidate) -> Quality:
+        """Task metric and fidelity of ``cand`` against the FP32 reference outputs."""
+        assert self._evaluate is not None
+        return self._evaluate(cand)
+
+    def compare(self, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+        """Latency of ``cands`` measured interleaved (A B C A B C ...), keyed by name.
+
+        Each value has ``latency_ms`` = {p50, p95, p99, mean, band: [lo, hi]}.
+        """
+        assert self._compare is not None
+        return self._compare(cands)
+
+    def within_budget(self, quality: Quality) -> tuple[bool, str]:
+        """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric."""
+        b = self.recipe.budget
+        drop = self.reference.metric - quality.metric
+        if drop > b.max_metric_drop:
+            return False, (
+                f"metric drop {drop:.4f} > budget {b.max_metric_drop:.4f} "
+                f"({self.task.metric_name} {quality.metric:.4f} vs FP32 {self.reference.metric:.4f})"
+            )
+        if quality.cosine_mean < b.min_cosine:
+            return False, f"mean cosine {quality.cosine_mean:.4f} < budget {b.min_cosine:.4f}"
+        return True, f"within budget (drop {drop:.4f}, cosine {quality.cosine_mean:.4f})"
+
+    def warn(self, message: str) -> None:
+        import logging
+
+        logging.getLogger("slimline").warning(message)
+        self.warnings.append(message)

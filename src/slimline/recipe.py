@@ -1,0 +1,175 @@
+"""Typed recipe: what to optimize, for which target, within which budget, by which steps.
+
+A recipe is a YAML file (or the same object built in Python). Every config rejects unknown keys and
+validates on construction and on assignment. Steps are written as one-key mappings::
+
+    steps:
+      - export: {opset: 17}
+      - graph: {level: extended}
+
+and are mapped onto the config class registered for that key (see :mod:`slimline.steps`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+__all__ = [
+    "BenchConfig",
+    "BudgetConfig",
+    "Config",
+    "Recipe",
+    "StepConfig",
+    "TargetConfig",
+    "load_recipe",
+    "recipe_from_dict",
+]
+
+RECIPE_VERSION = 1
+
+
+class Config(BaseModel):
+    """Base of every slimline config: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StepConfig(Config):
+    """Base of step configs. Subclasses set ``kind``, the key used in recipes."""
+
+    kind: ClassVar[str] = ""
+    version: int = 1
+
+
+class TargetConfig(Config):
+    runtime: Literal["onnxruntime"] = "onnxruntime"
+    provider: Literal["CPUExecutionProvider"] = "CPUExecutionProvider"
+    threads: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
+
+
+class BudgetConfig(Config):
+    """What a step may cost in quality, and what it must win to be kept."""
+
+    max_metric_drop: float = Field(0.01, ge=0.0, description="absolute drop of the task metric")
+    min_cosine: float = Field(0.99, ge=-1.0, le=1.0, description="min mean cosine to FP32 outputs")
+    p99_ms: float | None = Field(None, gt=0.0, description="optional p99 latency target at batch 1")
+    objective: Literal["latency", "size"] = "latency"
+    min_gain: float = Field(
+        0.03, ge=0.0, lt=1.0, description="a step must be at least this much faster (or smaller)"
+    )
+
+
+class BenchConfig(Config):
+    """How candidates are measured. Rounds interleave candidates (A B C A B C ...)."""
+
+    rounds: int = Field(5, ge=1, le=100)
+    runs_per_round: int = Field(60, ge=1)
+    warmup: int = Field(10, ge=0)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    throughput_min_seconds: float = Field(0.15, gt=0.0, description="per batch size per round")
+    peak_rss: bool = True
+    eval_limit: int | None = Field(None, ge=1, description="cap on evaluation samples")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_batches(cls, v: list[int]) -> list[int]:
+        if not v or any(b < 1 for b in v):
+            raise ValueError("batch_sizes must be a non-empty list of positive integers")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _enough_runs(self) -> BenchConfig:
+        if self.rounds * self.runs_per_round < 200:
+            raise ValueError(
+                f"rounds x runs_per_round = {self.rounds * self.runs_per_round}; latency needs "
+                "at least 200 runs: raise runs_per_round"
+            )
+        return self
+
+
+class Recipe(Config):
+    version: Literal[1] = RECIPE_VERSION
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    task: str = Field(..., description="example name, task .py file, or model .onnx file")
+    samples: str | None = Field(None, description=".npz of sample inputs, for an ONNX task")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+    steps: list[StepConfig] = Field(default_factory=list)
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _build_steps(cls, raw: Any) -> list[StepConfig]:
+        from .steps import config_class  # late: the registry imports step modules
+
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            raise ValueError("steps must be a list, e.g. [export, {graph: {level: extended}}]")
+        steps: list[StepConfig] = []
+        for i, item in enumerate(raw):
+            if isinstance(item, StepConfig):
+                steps.append(item)
+                continue
+            if isinstance(item, str):
+                item = {item: {}}
+            if not isinstance(item, dict) or len(item) != 1:
+                raise ValueError(f"steps[{i}] must be one step name mapped to its parameters")
+            ((kind, params),) = item.items()
+            steps.append(config_class(str(kind)).model_validate(params or {}))
+        return steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that :func:`recipe_from_dict` turns back into an equal recipe."""
+        data = self.model_dump(mode="json", exclude={"steps"})
+        data["steps"] = [{s.kind: s.model_dump(mode="json")} for s in self.steps]
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key; remove it or check its spelling (see `slimline optimize --print-recipe`)"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"recipe {origin}: {where}: {msg}{more}"
+
+
+def recipe_from_dict(data: Any, origin: str = "<dict>") -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_format_validation_error(err, origin)) from None
+    except KeyError as err:  # unknown step name from the registry
+        raise RecipeError(f"recipe {origin}: {err.args[0]}") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file {p} does not exist; pass a YAML recipe or an example name")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"recipe {p} is not valid YAML ({err.__class__.__name__}); fix its syntax") from None
+    recipe = recipe_from_dict(data, str(p))
+    # relative task/sample paths are relative to the recipe file
+    updates: dict[str, Any] = {}
+    for key in ("task", "samples"):
+        val = getattr(recipe, key)
+        if val and (val.endswith((".py", ".onnx", ".npz"))) and not Path(val).is_absolute():
+            updates[key] = str((p.parent / val).resolve())
+    return recipe.model_copy(update=updates) if updates else recipe

@@ -1,0 +1,197 @@
+"""The task contract: model + data + metric, supplied by the user as a Python file.
+
+A task file (or a built-in example module under ``slimline.examples``) defines these names:
+
+=================  ==========  ==============================================================
+name               required    what it is
+=================  ==========  ==============================================================
+``model()``        yes         returns the FP32 ``torch.nn.Module`` in eval mode. It is called
+                               with the inputs as keyword arguments and returns one tensor.
+``calibration_data()`` yes     returns an iterable of input batches: ``{name: np.ndarray}``
+``eval_data()``    yes         returns an iterable of ``(inputs, labels)`` batches
+``metric(outputs, labels)`` yes  float, higher is better; ``outputs`` and ``labels`` are the
+                               batches' model outputs and labels concatenated along axis 0
+``METRIC_NAME``    no          e.g. ``"top1"``; default ``"metric"``
+``OUTPUT_KIND``    no          ``"logits"``, ``"embedding"`` or ``"other"`` (default)
+``train_data()``   no          iterable of ``(inputs, labels or None)`` batches for fine-tuning
+``loss(outputs, labels)`` no   torch loss for fine-tuning
+``NAME``           no          the task's name; default: the file stem
+=================  ==========  ==============================================================
+
+An ONNX file plus an ``.npz`` of sample inputs is a task too: its model is the ONNX graph, its
+calibration and evaluation inputs are the samples, and its metric is the mean cosine of the
+outputs to the FP32 model's own outputs (``fidelity``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .errors import DataError, InputMismatchError, TaskError
+
+__all__ = ["Inputs", "Task", "check_inputs", "load_task", "take_samples"]
+
+Inputs = dict[str, np.ndarray]
+OutputKind = Literal["logits", "embedding", "other"]
+EXAMPLES_PACKAGE = "slimline.examples"
+_REQUIRED = ("model", "calibration_data", "eval_data", "metric")
+
+
+@dataclass
+class Task:
+    name: str
+    source: str  # the spec it was loaded from, to reload it in a subprocess
+    calibration_data: Callable[[], Iterable[Inputs]]
+    eval_data: Callable[[], Iterable[tuple[Inputs, Any]]]
+    metric: Callable[[np.ndarray, Any], float]
+    metric_name: str = "metric"
+    output_kind: OutputKind = "other"
+    model: Callable[[], Any] | None = None  # torch.nn.Module factory; None for ONNX tasks
+    onnx_path: Path | None = None  # set for ONNX tasks
+    train_data: Callable[[], Iterable[tuple[Inputs, Any]]] | None = None
+    loss: Callable[[Any, Any], Any] | None = None
+    module: Any = None  # the loaded task module, for task-specific extras
+
+    @property
+    def is_onnx(self) -> bool:
+        return self.onnx_path is not None
+
+    def sample_inputs(self, batch: int = 1) -> Inputs:
+        """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
+        rows = take_samples(self.calibration_data(), batch)
+        if not rows:
+            raise DataError(f"task {self.name}: calibration_data() yielded nothing; it must yield input batches")
+        return rows
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        return getattr(self.module, name, default) if self.module is not None else default
+
+
+def take_samples(batches: Iterable[Inputs], n: int) -> Inputs:
+    """Concatenate batches until ``n`` rows are collected; returns ``{}`` for no data."""
+    parts: list[Inputs] = []
+    have = 0
+    for b in batches:
+        parts.append(b)
+        have += len(next(iter(b.values())))
+        if have >= n:
+            break
+    if not parts:
+        return {}
+    return {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
+
+
+def load_task(spec: str, samples: str | None = None) -> Task:
+    """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples."""
+    if spec.endswith(".onnx"):
+        from .onnx_task import onnx_task
+
+        return onnx_task(Path(spec), Path(samples) if samples else None)
+    if spec.endswith(".py"):
+        return _task_from_module(_import_file(Path(spec)), spec, Path(spec).stem)
+    return _task_from_module(_import_example(spec), spec, spec)
+
+
+def _import_example(name: str) -> Any:
+    from .examples import EXAMPLES
+
+    if name not in EXAMPLES:
+        raise TaskError(
+            f"unknown task {name!r}: give a task .py file, a model .onnx file, or one of the "
+            f"examples ({', '.join(sorted(EXAMPLES))}); `slimline examples` lists them"
+        )
+    return importlib.import_module(EXAMPLES[name])
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise TaskError(f"task file {path} does not exist; check the path in the recipe's `task`")
+    mod_name = f"slimline_task_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"task file {path} cannot be imported as Python; it must be a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[mod_name]
+        raise TaskError(f"task file {path} failed to import: {type(err).__name__}: {err}") from err
+    return module
+
+
+def _task_from_module(module: Any, source: str, default_name: str) -> Task:
+    missing = [n for n in _REQUIRED if not callable(getattr(module, n, None))]
+    if missing:
+        raise TaskError(
+            f"task {source} does not define {', '.join(f'{m}()' for m in missing)}; "
+            "a task file needs model(), calibration_data(), eval_data() and metric(outputs, labels)"
+        )
+    kind = getattr(module, "OUTPUT_KIND", "other")
+    if kind not in ("logits", "embedding", "other"):
+        raise TaskError(f"task {source}: OUTPUT_KIND must be 'logits', 'embedding' or 'other', not {kind!r}")
+    return Task(
+        name=str(getattr(module, "NAME", default_name)),
+        source=source,
+        model=module.model,
+        calibration_data=module.calibration_data,
+        eval_data=module.eval_data,
+        metric=module.metric,
+        metric_name=str(getattr(module, "METRIC_NAME", "metric")),
+        output_kind=kind,
+        train_data=getattr(module, "train_data", None),
+        loss=getattr(module, "loss", None),
+        module=module,
+    )
+
+
+def check_inputs(inputs: Inputs, expected: dict[str, tuple[str, list[Any]]], where: str) -> None:
+    """Check names, dtypes and ranks/static dims of ``inputs`` against a model's input spec.
+
+    ``expected`` maps input name -> (numpy dtype name, shape with ints for fixed dims and
+    str/None for free dims).
+    """
+    got, want = set(inputs), set(expected)
+    if got != want:
+        raise InputMismatchError(
+            f"{where}: inputs are named {sorted(got)} but the model expects {sorted(want)}; "
+            "rename the arrays to the model's input names"
+        )
+    for name, (dtype, shape) in expected.items():
+        arr = inputs[name]
+        if str(arr.dtype) != dtype:
+            raise InputMismatchError(
+                f"{where}: input {name!r} is {arr.dtype} but the model expects {dtype}; "
+                f"convert it with .astype(np.{dtype})"
+            )
+        if arr.ndim != len(shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(shape, arr.shape, strict=False)
+        ):
+            shown = ["?" if not isinstance(d, int) else d for d in shape]
+            raise InputMismatchError(
+                f"{where}: input {name!r} has shape {list(arr.shape)} but the model expects {shown}; "
+                "reshape the samples to match"
+            )
+
+
+def iter_rows(batches: Iterable[Inputs], limit: int | None) -> Iterator[Inputs]:
+    """Yield batches, cut so that at most ``limit`` rows in total come out."""
+    seen = 0
+    for b in batches:
+        n = len(next(iter(b.values())))
+        if limit is not None and seen + n > limit:
+            b = {k: v[: limit - seen] for k, v in b.items()}
+            n = limit - seen
+        if n > 0:
+            yield b
+        seen += n
+        if limit is not None and seen >= limit:
+            return
