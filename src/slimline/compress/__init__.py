@@ -1,0 +1,1 @@
+"""Compression steps: graph optimization, quantization, pruning, fine-tuning, QAT."""

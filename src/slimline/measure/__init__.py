@@ -1,0 +1,1 @@
+"""Measurement: runners for each runtime, quality (metric + fidelity), latency, memory, profiles."""
