@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..recipe import StepConfig
 
@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from ..candidate import Candidate
     from ..pipeline import StepContext
 
-__all__ = ["BUILTIN_STEP_MODULES", "config_class", "handler_for", "registered_kinds", "step"]
+__all__ = [
+    "BUILTIN_STEP_MODULES",
+    "config_class",
+    "handler_for",
+    "registered_kinds",
+    "restorer_for",
+    "step",
+]
 
 BUILTIN_STEP_MODULES: tuple[str, ...] = (
     "slimline.export",
@@ -27,11 +34,15 @@ BUILTIN_STEP_MODULES: tuple[str, ...] = (
 C = TypeVar("C", bound=StepConfig)
 StepFn = Callable[[C, "Candidate", "StepContext"], "Candidate"]
 
-_HANDLERS: dict[type[StepConfig], Callable[..., Candidate]] = {}
+# restore(entry_dir, meta, task) -> torch module: rebuilds the torch model a cached step produced
+# (e.g. a pruned model) without pickles; steps whose outputs are ONNX-only need none.
+Restore = Callable[[Any, dict[str, Any], Any], Any]
+
+_HANDLERS: dict[type[StepConfig], tuple[Callable[..., Candidate], Restore | None]] = {}
 
 
-def step(config_cls: type[C]) -> Callable[[StepFn[C]], StepFn[C]]:
-    """Register ``fn`` as the handler of ``config_cls``."""
+def step(config_cls: type[C], restore: Restore | None = None) -> Callable[[StepFn[C]], StepFn[C]]:
+    """Register ``fn`` as the handler of ``config_cls`` (and ``restore`` for cached modules)."""
     if not config_cls.kind:
         raise TypeError(f"{config_cls.__name__} must set the class attribute `kind`")
 
@@ -39,7 +50,7 @@ def step(config_cls: type[C]) -> Callable[[StepFn[C]], StepFn[C]]:
         for other in _HANDLERS:
             if other.kind == config_cls.kind and other is not config_cls:
                 raise TypeError(f"step kind {config_cls.kind!r} registered twice")
-        _HANDLERS[config_cls] = fn
+        _HANDLERS[config_cls] = (fn, restore)
         return fn
 
     return register
@@ -66,6 +77,11 @@ def config_class(kind: str) -> type[StepConfig]:
 def handler_for(config: StepConfig) -> Callable[..., Candidate]:
     _load_builtins()
     try:
-        return _HANDLERS[type(config)]
+        return _HANDLERS[type(config)][0]
     except KeyError:
         raise KeyError(f"no handler registered for {type(config).__name__}") from None
+
+
+def restorer_for(config: StepConfig) -> Restore | None:
+    _load_builtins()
+    return _HANDLERS[type(config)][1]

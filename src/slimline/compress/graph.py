@@ -1,0 +1,82 @@
+"""Graph optimization: ONNX Runtime's offline graph optimizer, and its transformer fusions.
+
+ONNX Runtime folds BatchNorm into the preceding Conv, fuses Conv+activation, Gemm+activation,
+constant-folds, and (``transformer: bert``) fuses attention, LayerNorm, GELU and embedding
+subgraphs into its contrib kernels. The optimized graph is saved, and the op counts before and
+after go into the candidate's record so the change can be inspected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import onnx
+
+from ..candidate import Candidate
+from ..context import StepContext
+from ..measure.runners import ort_session
+from ..record import atomic_write_bytes
+from ..recipe import StepConfig
+from ..steps import step
+
+__all__ = ["GraphConfig", "is_transformer", "op_counts", "optimize_graph"]
+
+log = logging.getLogger("slimline.graph")
+
+
+class GraphConfig(StepConfig):
+    kind: ClassVar[str] = "graph"
+    level: Literal["basic", "extended"] = "extended"
+    transformer: Literal["auto", "bert", "none"] = "auto"
+
+
+def op_counts(path: Path) -> dict[str, int]:
+    model = onnx.load(str(path), load_external_data=False)
+    return dict(sorted(Counter(n.op_type for n in model.graph.node).items()))
+
+
+def is_transformer(counts: dict[str, int]) -> bool:
+    """A graph with softmax attention over MatMuls and layer norms is treated as BERT-class."""
+    has_norm = counts.get("LayerNormalization", 0) > 0 or counts.get("ReduceMean", 0) >= 4
+    return counts.get("Softmax", 0) > 0 and counts.get("MatMul", 0) >= 4 and has_norm
+
+
+def _transformer_fusion(src: Path, dst: Path, threads: int) -> None:
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    # num_heads=0/hidden_size=0: the fusion detects them from the graph.
+    opt = optimize_model(str(src), model_type="bert", num_heads=0, hidden_size=0, opt_level=0)
+    atomic_write_bytes(dst, opt.model.SerializeToString())
+
+
+def optimize_graph(src: Path, dst: Path, cfg: GraphConfig, threads: int) -> dict[str, Any]:
+    before = op_counts(src)
+    work = src
+    fused = cfg.transformer == "bert" or (cfg.transformer == "auto" and is_transformer(before))
+    if fused:
+        work = dst.with_name(dst.stem + ".fused.onnx")
+        _transformer_fusion(src, work, threads)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    ort_session(work, threads, optimized_out=tmp, level=cfg.level)
+    tmp.replace(dst)
+    if fused:
+        work.unlink(missing_ok=True)
+    after = op_counts(dst)
+    folded = before.get("BatchNormalization", 0) - after.get("BatchNormalization", 0)
+    return {"level": cfg.level, "transformer_fusion": fused, "ops_before": before,
+            "ops_after": after, "batchnorm_folded": folded,
+            "nodes_before": sum(before.values()), "nodes_after": sum(after.values())}
+
+
+@step(GraphConfig)
+def graph_step(cfg: GraphConfig, cand: Candidate, ctx: StepContext) -> Candidate:
+    assert cand.onnx is not None, "graph runs on an exported candidate"
+    record = optimize_graph(cand.onnx, ctx.workdir / "model.onnx", cfg, ctx.threads)
+    log.info("graph: %d -> %d nodes, %d BatchNorm folded, transformer fusion %s",
+             record["nodes_before"], record["nodes_after"], record["batchnorm_folded"],
+             record["transformer_fusion"])
+    return Candidate(name="graph", step="graph", parent=cand.name, onnx=ctx.workdir / "model.onnx",
+                     module=cand.module, meta=record)

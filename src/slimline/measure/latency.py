@@ -1,0 +1,95 @@
+"""Latency and throughput, measured interleaved so that ratios hold on a noisy machine.
+
+Candidates run in rounds, A B C, then B C A, then C A B, ... (the order rotates so none is
+always first after the others). Each figure is the median over rounds, with the min-max band of
+the per-round values, so a reader can tell a real difference from noise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ..candidate import Candidate
+from ..recipe import BenchConfig
+from ..task import Inputs
+from .runners import Runner, make_runner
+
+__all__ = ["benchmark", "summarize_latency", "tile_batch"]
+
+_PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+
+
+def tile_batch(sample: Inputs, batch: int) -> Inputs:
+    """A batch of exactly ``batch`` rows, repeating ``sample``'s rows if it has fewer."""
+    n = len(next(iter(sample.values())))
+    reps = -(-batch // n)
+    return {k: np.concatenate([v] * reps)[:batch] for k, v in sample.items()}
+
+
+def summarize_latency(rounds: list[np.ndarray]) -> dict[str, Any]:
+    """Median over rounds of each per-round percentile, with bands; samples in ms."""
+    per_round = {k: [float(np.percentile(r, q)) for r in rounds] for k, q in _PCTS.items()}
+    per_round["mean"] = [float(r.mean()) for r in rounds]
+    out: dict[str, Any] = {k: float(np.median(v)) for k, v in per_round.items()}
+    out["band"] = [min(per_round["p50"]), max(per_round["p50"])]
+    out["bands"] = {k: [min(v), max(v)] for k, v in per_round.items()}
+    out["runs"] = int(sum(len(r) for r in rounds))
+    out["rounds"] = len(rounds)
+    return out
+
+
+def _time_runs(runner: Runner, sample: Inputs, n: int) -> np.ndarray:
+    out = np.empty(n)
+    for i in range(n):
+        t0 = time.perf_counter_ns()
+        runner.run(sample)
+        out[i] = (time.perf_counter_ns() - t0) / 1e6
+    return out
+
+
+def _throughput(runner: Runner, batch: Inputs, size: int, min_seconds: float) -> float:
+    runner.run(batch)
+    done, t0 = 0, time.perf_counter()
+    while True:
+        runner.run(batch)
+        done += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds and done >= 2:
+            return done * size / elapsed
+
+
+def benchmark(
+    cands: list[Candidate], sample: Inputs, bench: BenchConfig, threads: int, *,
+    throughput: bool = True, desc: str = "benchmark",
+) -> dict[str, dict[str, Any]]:
+    """Latency at batch 1 (and throughput per batch size) of each candidate, interleaved."""
+    runners = [make_runner(c, threads) for c in cands]
+    one = tile_batch(sample, 1)
+    batches = {b: tile_batch(sample, b) for b in bench.batch_sizes} if throughput else {}
+    for r in runners:
+        for _ in range(bench.warmup):
+            r.run(one)
+    lat: list[list[np.ndarray]] = [[] for _ in runners]
+    tput: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in runners]
+    steps = bench.rounds * len(runners)
+    with tqdm(total=steps, desc=desc, unit="run-set", leave=False, disable=None) as bar:
+        for rnd in range(bench.rounds):
+            for j in range(len(runners)):
+                i = (j + rnd) % len(runners)
+                lat[i].append(_time_runs(runners[i], one, bench.runs_per_round))
+                for b, x in batches.items():
+                    tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
+                bar.update(1)
+    results: dict[str, dict[str, Any]] = {}
+    for c, rounds, tp in zip(cands, lat, tput, strict=True):
+        entry: dict[str, Any] = {"latency_ms": summarize_latency(rounds),
+                                 "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist()}
+        if tp:
+            entry["throughput"] = {str(b): float(np.median(v)) for b, v in tp.items()}
+            entry["throughput_band"] = {str(b): [min(v), max(v)] for b, v in tp.items()}
+        results[c.name] = entry
+    return results

@@ -1,0 +1,450 @@
+"""Run a recipe: baselines, steps (cached by content hash), accept/reject, measure, record.
+
+Order of work:
+
+1. load the task, hash its model and data, build the FP32 baselines (``fp32-torch`` and its
+   export ``fp32-onnx``) and the FP32 reference outputs on the evaluation data;
+2. run each step on the last accepted candidate. Its output is cached under a key that hashes its
+   inputs; a rerun (or a resumed run) reuses it. The new candidate is kept only if it meets the
+   budget AND is measurably faster (or smaller, when the objective is size) than its parent;
+   otherwise it is recorded as rejected with the measured reason and the next step starts from
+   the parent;
+3. measure every candidate of the chain interleaved (latency, throughput, RSS, size, metric,
+   fidelity) and write the manifest, the artifacts and the report, atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .cache import StepCache
+from .candidate import Candidate, file_hash, module_hash
+from .context import StepContext
+from .errors import SlimlineError, StepError
+from .export import ExportConfig, export_step
+from .measure.latency import benchmark
+from .measure.memory import peak_rss
+from .measure.quality import Quality, Reference, evaluate, make_reference
+from .measure.runners import make_runner
+from .paths import cache_dir
+from .record import (
+    MANIFEST_SCHEMA,
+    atomic_copy,
+    atomic_write_json,
+    data_hash,
+    hardware,
+    json_hash,
+    now_iso,
+    versions,
+)
+from .recipe import BenchConfig, Recipe, StepConfig
+from .steps import handler_for, restorer_for
+from .task import Task, load_task
+
+__all__ = ["Run", "run_recipe"]
+
+log = logging.getLogger("slimline.pipeline")
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    task: Task
+    out: Path
+    cache: StepCache
+    remeasure: bool = False
+    hashes: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=versions)
+    chain: list[Candidate] = field(default_factory=list)
+    alternatives: list[Candidate] = field(default_factory=list)
+    failed: dict[str, str] | None = None
+    reference: Reference | None = None
+    warnings: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # profiles, distributions, step records
+    started: float = field(default_factory=time.time)
+
+    @property
+    def threads(self) -> int:
+        return self.recipe.target.threads
+
+    @property
+    def current(self) -> Candidate:
+        """The last accepted candidate: the input of the next step."""
+        return next(c for c in reversed(self.chain) if c.accepted)
+
+    @property
+    def baseline(self) -> Candidate:
+        return next(c for c in self.chain if c.name == "fp32-onnx")
+
+
+def default_out_dir(recipe: Recipe) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{recipe.name}-{stamp}-{json_hash(recipe.to_dict())[7:15]}"
+
+
+def run_recipe(recipe: Recipe, out: Path | None = None, *, cache: Path | None = None,
+               remeasure: bool = False) -> Run:
+    """Run ``recipe`` end to end; returns the finished :class:`Run` (manifest already written)."""
+    from .report.html import write_report  # late: report sections import optional modules
+
+    task = load_task(recipe.task, recipe.samples)
+    run = Run(recipe=recipe, task=task, out=Path(out or default_out_dir(recipe)),
+              cache=StepCache(cache or cache_dir()), remeasure=remeasure)
+    run.out.mkdir(parents=True, exist_ok=True)
+    try:
+        _baselines(run)
+        write_manifest(run, "running")
+        for cfg in _steps_after_export(recipe):
+            _run_step(run, cfg)
+            write_manifest(run, "running")
+        _measure_all(run)
+        _profile(run)
+    except SlimlineError as err:
+        run.failed = {"error": str(err), "type": type(err).__name__}
+        write_manifest(run, "failed")
+        raise
+    write_manifest(run, "complete")
+    write_report(run.out)
+    return run
+
+
+def _steps_after_export(recipe: Recipe) -> list[StepConfig]:
+    return [s for s in recipe.steps if not isinstance(s, ExportConfig)]
+
+
+def _export_config(recipe: Recipe) -> ExportConfig:
+    return next((s for s in recipe.steps if isinstance(s, ExportConfig)), ExportConfig())
+
+
+# ---------------------------------------------------------------------------------------------
+# baselines
+
+
+def _baselines(run: Run) -> None:
+    task = run.task
+    with _timed("hashing data"):
+        run.hashes["calibration_data"] = data_hash(task.calibration_data())
+        run.hashes["eval_data"] = data_hash(task.eval_data())
+    if task.is_onnx:
+        assert task.onnx_path is not None
+        run.hashes["model"] = file_hash(task.onnx_path)
+        fp32 = Candidate("fp32-onnx", "fp32", None, onnx=task.onnx_path, accepted=True,
+                         reason="baseline")
+        run.chain.append(fp32)
+        run.reference = _reference(run, fp32)
+        return
+    assert task.model is not None
+    module = task.model()
+    if hasattr(module, "eval"):
+        module.eval()
+    run.hashes["model"] = module_hash(module)
+    torch_cand = Candidate("fp32-torch", "fp32", None, module=module, accepted=True, reason="baseline")
+    run.chain.append(torch_cand)
+    run.reference = _reference(run, torch_cand)
+    onnx_cand = _cached_step(run, _export_config(run.recipe), torch_cand)
+    onnx_cand.accepted, onnx_cand.reason = True, "baseline (verified export)"
+    run.chain.append(onnx_cand)
+
+
+def _reference(run: Run, cand: Candidate) -> Reference:
+    with _timed("FP32 reference outputs"):
+        runner = make_runner(cand, run.threads)
+        return make_reference(runner, run.task, run.recipe.bench.eval_limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# steps
+
+
+def _step_key(run: Run, cfg: StepConfig, cand: Candidate) -> str:
+    r = run.recipe
+    return json_hash({
+        "step": cfg.kind, "config": cfg.model_dump(mode="json"), "input": cand.content_hash(),
+        "data": run.hashes, "target": r.target.model_dump(), "budget": r.budget.model_dump(),
+        "bench": r.bench.model_dump(), "versions": run.versions, "task": run.task.source,
+    })
+
+
+def _context(run: Run, workdir: Path) -> StepContext:
+    assert run.reference is not None
+    baseline = next((c for c in run.chain if c.name == "fp32-onnx"), run.chain[0])
+    return StepContext(task=run.task, recipe=run.recipe, workdir=workdir, baseline=baseline,
+                       reference=run.reference, _evaluate=lambda c: _quality(run, c),
+                       _compare=lambda cs: _compare(run, cs))
+
+
+def _cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
+    key = _step_key(run, cfg, cand)
+    entry = run.cache.step_dir(key)
+    if entry is None:
+        log.info("step %s: running", cfg.kind)
+        with _timed(f"step {cfg.kind}"):
+            entry = run.cache.build_step(key, lambda tmp: _execute(run, cfg, cand, tmp))
+    else:
+        log.info("step %s: reusing cached result %s", cfg.kind, entry.name)
+    return _load_entry(run, cfg, cand, entry)
+
+
+def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[str, Any]:
+    ctx = _context(run, workdir)
+    try:
+        out = handler_for(cfg)(cfg, cand, ctx)
+    except SlimlineError:
+        raise
+    except Exception as err:
+        raise StepError(f"step {cfg.kind} failed on {cand.name}: {type(err).__name__}: {err}; "
+                        "earlier artifacts are kept in the run directory") from err
+    return {"chosen": _cand_record(out, workdir), "warnings": ctx.warnings,
+            "alternatives": [_cand_record(c, workdir) for c in ctx.alternatives]}
+
+
+def _cand_record(c: Candidate, workdir: Path) -> dict[str, Any]:
+    rel = None
+    if c.onnx is not None:
+        path = Path(c.onnx).resolve()
+        if workdir.resolve() not in path.parents:
+            raise StepError(f"step {c.step} returned {path}, outside its work directory")
+        rel = str(path.relative_to(workdir.resolve()))
+    return {"name": c.name, "step": c.step, "parent": c.parent, "onnx": rel, "meta": c.meta,
+            "accepted": c.accepted, "reason": c.reason, "measurement": c.measurement}
+
+
+def _from_record(rec: dict[str, Any], entry: Path) -> Candidate:
+    return Candidate(name=rec["name"], step=rec["step"], parent=rec["parent"],
+                     onnx=entry / rec["onnx"] if rec["onnx"] else None, meta=rec["meta"],
+                     accepted=rec["accepted"], reason=rec["reason"], measurement=rec["measurement"])
+
+
+def _load_entry(run: Run, cfg: StepConfig, parent: Candidate, entry: Path) -> Candidate:
+    import json
+
+    result = json.loads((entry / "result.json").read_text())
+    chosen = _from_record(result["chosen"], entry)
+    restore = restorer_for(cfg)
+    chosen.module = restore(entry, chosen.meta, run.task) if restore else parent.module
+    for w in result.get("warnings", []):
+        if w not in run.warnings:
+            run.warnings.append(w)
+    for rec in result.get("alternatives", []):
+        run.alternatives.append(_from_record(rec, entry))
+    return chosen
+
+
+def _unique_name(run: Run, name: str) -> str:
+    taken = {c.name for c in [*run.chain, *run.alternatives]}
+    if name not in taken:
+        return name
+    i = 2
+    while f"{name}-{i}" in taken:
+        i += 1
+    return f"{name}-{i}"
+
+
+def _run_step(run: Run, cfg: StepConfig) -> None:
+    parent = run.current
+    n_alt = len(run.alternatives)
+    cand = _cached_step(run, cfg, parent)
+    cand.name, cand.parent = _unique_name(run, cand.name), parent.name
+    for alt in run.alternatives[n_alt:]:
+        alt.name = _unique_name(run, alt.name) if alt.name == cand.name else alt.name
+    cand.accepted, cand.reason = _decide(run, cfg, parent, cand)
+    log.info("step %s: %s (%s)", cfg.kind, "ACCEPTED" if cand.accepted else "REJECTED", cand.reason)
+    run.chain.append(cand)
+
+
+def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
+    key = json_hash({"decide": _step_key(run, cfg, parent), "cand": cand.content_hash(),
+                     "parent": parent.content_hash()})
+    cached = None if run.remeasure else run.cache.get_json("decision", key)
+    if cached is not None:
+        return bool(cached["accepted"]), str(cached["reason"])
+    accepted, reason = _judge(run, parent, cand)
+    run.cache.put_json("decision", key, {"accepted": accepted, "reason": reason})
+    return accepted, reason
+
+
+def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
+    assert run.reference is not None
+    ctx = _context(run, run.out)
+    quality = _quality(run, cand)
+    ok, budget_reason = ctx.within_budget(quality)
+    if not ok:
+        return False, budget_reason
+    b = run.recipe.budget
+    if b.objective == "size":
+        return _judge_size(parent, cand, b.min_gain, budget_reason)
+    lat = _compare(run, [parent, cand])
+    p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
+    ratio = c["p50"] / p["p50"]
+    separated = c["band"][1] < p["band"][0]
+    figures = f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name})"
+    if ratio > 1.0 - b.min_gain or not separated:
+        why = "slower than" if ratio > 1.0 else "not measurably faster than"
+        return False, f"{why} {parent.name}: {figures}; {budget_reason}"
+    if b.p99_ms is not None and c["p99"] > b.p99_ms:
+        run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
+    return True, f"faster: {figures}; {budget_reason}"
+
+
+def _judge_size(parent: Candidate, cand: Candidate, min_gain: float, why: str) -> tuple[bool, str]:
+    ps, cs = _size(parent), _size(cand)
+    if ps is None or cs is None:
+        return False, "size objective needs ONNX artifacts on both sides"
+    ratio = cs / ps
+    figures = f"{cs} vs {ps} bytes ({ratio:.2f}x of {parent.name})"
+    if ratio > 1.0 - min_gain:
+        return False, f"not measurably smaller: {figures}; {why}"
+    return True, f"smaller: {figures}; {why}"
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+
+
+def _quality(run: Run, cand: Candidate) -> Quality:
+    assert run.reference is not None
+    runner = make_runner(cand, run.threads)
+    return evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
+
+
+def _compare(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+    sample = run.task.sample_inputs(1)
+    return benchmark(cands, sample, run.recipe.bench, run.threads, throughput=False,
+                     desc="compare " + " vs ".join(c.name for c in cands))
+
+
+def _size(c: Candidate) -> int | None:
+    return Path(c.onnx).stat().st_size if c.onnx is not None else None
+
+
+def _params(c: Candidate) -> int | None:
+    if c.onnx is not None:
+        import onnx
+
+        model = onnx.load(str(c.onnx), load_external_data=False)
+        return int(sum(int(np.prod(t.dims)) for t in model.graph.initializer))
+    if c.module is not None:
+        return int(sum(p.numel() for p in c.module.parameters()))
+    return None
+
+
+def _measure_all(run: Run) -> None:
+    cands = run.chain
+    key = json_hash({"measure": [c.content_hash() for c in cands], "names": [c.name for c in cands],
+                     "bench": run.recipe.bench.model_dump(), "target": run.recipe.target.model_dump(),
+                     "data": run.hashes, "versions": run.versions})
+    cached = None if run.remeasure else run.cache.get_json("measure", key)
+    if cached is None:
+        cached = _measure_fresh(run, cands)
+        run.cache.put_json("measure", key, cached)
+    else:
+        log.info("measurement: reusing cached figures (use --remeasure to measure again)")
+    for c in cands:
+        c.measurement = cached[c.name]
+    for alt in run.alternatives:
+        alt.measurement = {**(alt.measurement or {}), "size_bytes": _size(alt)}
+
+
+def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+    bench: BenchConfig = run.recipe.bench
+    sample = run.task.sample_inputs(max(bench.batch_sizes))
+    with _timed("benchmark (interleaved)"):
+        figures = benchmark(cands, sample, bench, run.threads, desc="measure all candidates")
+    for c in cands:
+        q = _quality(run, c)
+        f = figures[c.name]
+        f["metric"] = {"name": run.task.metric_name, "value": q.metric}
+        f["fidelity"] = q.fidelity_dict()
+        f["size_bytes"], f["params"] = _size(c), _params(c)
+        rss = peak_rss(c, sample, run.threads, run.task.source) if bench.peak_rss else None
+        f["peak_rss_mb"] = rss["peak_rss_mb"] if rss else None
+        f["rss"] = rss
+    return figures
+
+
+def _profile(run: Run) -> None:
+    from .measure.distributions import weight_stats
+    from .measure.opprofile import profile_ops
+
+    sample = run.task.sample_inputs(1)
+    targets = {c.name: c for c in run.chain if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted)}
+    selected = _selected(run)
+    profiles = {}
+    for name in {"fp32-onnx", selected.name} & set(targets):
+        profiles[name] = profile_ops(targets[name].onnx, sample, run.threads)
+    run.extra["profiles"] = profiles
+    run.extra["weight_distributions"] = weight_stats(run.baseline.onnx)
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+def _selected(run: Run) -> Candidate:
+    return next((c for c in reversed(run.chain) if c.accepted and c.onnx is not None), run.chain[-1])
+
+
+def _entry(run: Run, c: Candidate) -> dict[str, Any]:
+    artifact = None
+    if c.onnx is not None:
+        artifact = f"artifacts/{c.name}.onnx"
+        dst = run.out / artifact
+        if not dst.exists() or file_hash(dst) != c.content_hash():
+            atomic_copy(c.onnx, dst)
+    m = c.measurement or {}
+    return {"name": c.name, "step": c.step, "parent": c.parent, "accepted": bool(c.accepted),
+            "reason": c.reason, "artifact": artifact, "runtime": c.runtime, **m, "meta": c.meta}
+
+
+def write_manifest(run: Run, status: str) -> None:
+    task = run.task
+    chain = [_entry(run, c) for c in run.chain]
+    alts = [{**_entry(run, c), "alternative": True} for c in run.alternatives]
+    manifest: dict[str, Any] = {
+        "schema": MANIFEST_SCHEMA,
+        "status": status,
+        "recipe": run.recipe.to_dict(),
+        "created": now_iso(),
+        "wall_seconds": round(time.time() - run.started, 1),
+        "task": {"name": task.name, "source": task.source, "metric_name": task.metric_name,
+                 "output_kind": task.output_kind, "inputs": _input_spec(run)},
+        "hashes": run.hashes,
+        "versions": run.versions,
+        "hardware": hardware(),
+        "target": run.recipe.target.model_dump(),
+        "selected": _selected(run).name if run.chain else None,
+        "reference_metric": run.reference.metric if run.reference else None,
+        "candidates": chain + alts,
+        "warnings": run.warnings,
+        **run.extra,
+    }
+    if run.failed:
+        manifest["failure"] = run.failed
+    atomic_write_json(run.out / "manifest.json", manifest)
+
+
+def _input_spec(run: Run) -> dict[str, Any]:
+    onnx_cand = next((c for c in run.chain if c.onnx is not None), None)
+    if onnx_cand is None:
+        return {}
+    from .measure.runners import ort_session, session_input_spec
+
+    spec = session_input_spec(ort_session(onnx_cand.onnx, 1, level="disable"))
+    return {k: {"dtype": d, "shape": s} for k, (d, s) in spec.items()}
+
+
+class _timed:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        log.info("%s: %.1f s", self.what, time.perf_counter() - self.t0)
