@@ -1,0 +1,369 @@
+"""Dynamic batching: a small asyncio queue class with no HTTP in it.
+
+``await batcher.submit(inputs)`` queues one request (its own batch dimension may be above 1) and
+returns that request's slice of the model's outputs. A collector task forms a batch whenever an
+instance is free: it takes the oldest request and every later request with the same trailing
+shapes, in order, up to ``max_batch_size`` rows, waiting at most ``max_queue_delay_ms`` after the
+oldest request arrived. The batch runs in a thread pool of ``instances`` threads (ONNX Runtime
+releases the GIL), so up to ``instances`` batches run at once and the event loop stays free.
+
+Queue policy: a full queue rejects at once (:class:`QueueFull`); each request has a deadline,
+and a timer answers it with :class:`DeadlineExceeded` on time, removing it from the queue if it
+has not started (it then never runs). Every request has its own future; an exception in a batch
+reaches every request in it; the model must return one result row per input row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from pydantic import Field
+
+from ..recipe import Config
+
+__all__ = [
+    "BatcherConfig",
+    "BatcherError",
+    "BatcherObserver",
+    "DeadlineExceeded",
+    "DynamicBatcher",
+    "InferenceFailed",
+    "InvalidRequest",
+    "QueueFull",
+    "ShuttingDown",
+]
+
+Tensors = dict[str, np.ndarray]
+
+
+class BatcherError(Exception):
+    """Base of the outcomes a request can meet in the batcher other than a result."""
+
+
+class QueueFull(BatcherError):
+    """The queue holds ``max_queue_size`` requests; retry later (HTTP 503)."""
+
+
+class ShuttingDown(BatcherError):
+    """The batcher is draining and takes no new requests (HTTP 503)."""
+
+
+class DeadlineExceeded(BatcherError):
+    """The request's deadline passed before its result was ready (HTTP 504)."""
+
+    def __init__(self, message: str, *, ran: bool) -> None:
+        super().__init__(message)
+        self.ran = ran
+
+
+class InvalidRequest(BatcherError):
+    """The request cannot be batched as sent (HTTP 400)."""
+
+
+class InferenceFailed(BatcherError):
+    """The model raised, or broke the one-result-per-input rule, on this request's batch."""
+
+
+class BatcherConfig(Config):
+    max_batch_size: int = Field(8, ge=1, le=4096, description="rows per batch, all requests")
+    max_queue_delay_ms: float = Field(2.0, ge=0.0, le=60_000.0)
+    max_queue_size: int = Field(256, ge=1, le=1_000_000, description="queued requests")
+    timeout_ms: float = Field(1000.0, gt=0.0, le=3_600_000.0, description="default deadline")
+    instances: int = Field(1, ge=1, le=64, description="batches running at once")
+
+
+class BatcherObserver(Protocol):
+    """Receives the batcher's events (the server turns them into Prometheus metrics)."""
+
+    def queue_depth(self, depth: int) -> None: ...
+
+    def batch_done(self, rows: int, queue_s: list[float], compute_s: float) -> None: ...
+
+
+class _NullObserver:
+    def queue_depth(self, depth: int) -> None:
+        pass
+
+    def batch_done(self, rows: int, queue_s: list[float], compute_s: float) -> None:
+        pass
+
+
+class _State(enum.Enum):
+    QUEUED = 1
+    RUNNING = 2
+    DONE = 3
+
+
+@dataclass(eq=False)
+class _Pending:
+    inputs: Tensors
+    rows: int
+    key: Hashable
+    future: asyncio.Future[Tensors]
+    enqueued: float
+    state: _State = _State.QUEUED
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class DynamicBatcher:
+    """Batches concurrent requests for ``run(inputs) -> outputs`` (batch on axis 0).
+
+    ``stack=False`` is for models whose inputs have a fixed leading size: every request then
+    runs alone and ``max_batch_size`` is only the row count each request must not exceed.
+    """
+
+    def __init__(
+        self,
+        run: Callable[[Tensors], Tensors],
+        config: BatcherConfig,
+        *,
+        stack: bool = True,
+        observer: BatcherObserver | None = None,
+        name: str = "model",
+    ) -> None:
+        self._run = run
+        self.config = config
+        self.stack = stack
+        self.name = name
+        self._observer = observer or _NullObserver()
+        self._queue: deque[_Pending] = deque()
+        self._arrived = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.instances)
+        self._pool = ThreadPoolExecutor(config.instances, thread_name_prefix=f"infer-{name}")
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._collector: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- public surface -------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def batch_sizes(self) -> list[int]:
+        """Every batch size (in rows) the batcher can form, for warm-up."""
+        if not self.stack:
+            return [self.config.max_batch_size]
+        return list(range(1, self.config.max_batch_size + 1))
+
+    def start(self) -> None:
+        """Start the collector on the running event loop (idempotent)."""
+        if self._collector is None:
+            self._collector = asyncio.get_running_loop().create_task(self._collect())
+
+    async def submit(self, inputs: Tensors, timeout_s: float | None = None) -> Tensors:
+        """Queue one request and wait for its outputs; raises a :class:`BatcherError`."""
+        if self._closing:
+            raise ShuttingDown(f"model {self.name} is shutting down; retry on another replica")
+        rows, key = self._shape_key(inputs)
+        if len(self._queue) >= self.config.max_queue_size:
+            raise QueueFull(
+                f"model {self.name}: queue full ({self.config.max_queue_size} requests); "
+                "retry later"
+            )
+        self.start()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pending = _Pending(inputs, rows, key, loop.create_future(), now)
+        timeout = self.config.timeout_ms / 1000.0 if timeout_s is None else timeout_s
+        pending.timer = loop.call_at(now + timeout, self._expire, pending)
+        self._queue.append(pending)
+        self._observer.queue_depth(len(self._queue))
+        self._arrived.set()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:  # the caller went away: never run it if not started
+            self._forget(pending)
+            raise
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop taking requests; with ``drain`` answer every queued one first."""
+        self._closing = True
+        if not drain:
+            while self._queue:
+                p = self._queue.popleft()
+                self._finish(p, error=ShuttingDown(f"model {self.name} shut down"))
+            self._observer.queue_depth(0)
+        self._arrived.set()
+        if self._collector is not None:
+            await self._collector
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=True)
+
+    # -- request bookkeeping --------------------------------------------------------------
+    def _shape_key(self, inputs: Tensors) -> tuple[int, Hashable]:
+        if not inputs:
+            raise InvalidRequest(f"model {self.name}: a request needs at least one input")
+        key = tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(inputs.items()))
+        if not self.stack:
+            return 1, key
+        leading = {v.shape[0] if v.ndim else -1 for v in inputs.values()}
+        if len(leading) != 1 or -1 in leading:
+            raise InvalidRequest(
+                f"model {self.name}: inputs disagree on the batch dimension {sorted(leading)}; "
+                "send every input with the same leading size"
+            )
+        rows = leading.pop()
+        if not 1 <= rows <= self.config.max_batch_size:
+            raise InvalidRequest(
+                f"model {self.name}: a request has batch size {rows}; send between 1 and "
+                f"max_batch_size={self.config.max_batch_size} rows, or split the request"
+            )
+        return rows, key
+
+    def _expire(self, p: _Pending) -> None:
+        if p.future.done():
+            return
+        ran = p.state is _State.RUNNING
+        if p.state is _State.QUEUED:
+            self._queue.remove(p)
+            self._observer.queue_depth(len(self._queue))
+            self._arrived.set()
+        where = "while running" if ran else "in the queue"
+        p.state = _State.DONE
+        p.future.set_exception(
+            DeadlineExceeded(f"model {self.name}: deadline passed {where}", ran=ran)
+        )
+
+    def _forget(self, p: _Pending) -> None:
+        if p.timer is not None:
+            p.timer.cancel()
+        if p.state is _State.QUEUED:
+            self._queue.remove(p)
+            self._observer.queue_depth(len(self._queue))
+            self._arrived.set()
+        p.state = _State.DONE
+
+    def _finish(
+        self, p: _Pending, result: Tensors | None = None, error: BaseException | None = None
+    ) -> None:
+        if p.timer is not None:
+            p.timer.cancel()
+        p.state = _State.DONE
+        if p.future.done():
+            return
+        if error is not None:
+            p.future.set_exception(error)
+        else:
+            assert result is not None
+            p.future.set_result(result)
+
+    # -- batch formation ------------------------------------------------------------------
+    async def _collect(self) -> None:
+        while True:
+            await self._slots.acquire()
+            batch = await self._next_batch()
+            if batch is None:
+                self._slots.release()
+                return
+            task = asyncio.get_running_loop().create_task(self._dispatch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _next_batch(self) -> list[_Pending] | None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queue:
+                if self._closing:
+                    return None
+                self._arrived.clear()
+                await self._arrived.wait()
+            first = self._queue[0]
+            fill_by = first.enqueued + self.config.max_queue_delay_ms / 1000.0
+            while first.state is _State.QUEUED and not self._full(first):
+                wait = fill_by - loop.time()
+                if wait <= 0 or self._closing:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), wait)
+                except TimeoutError:
+                    pass
+            if first.state is _State.QUEUED:
+                return self._take(self._select(first)[0])
+
+    def _full(self, first: _Pending) -> bool:
+        return not self.stack or self._select(first)[1] >= self.config.max_batch_size
+
+    def _select(self, first: _Pending) -> tuple[list[_Pending], int]:
+        """The oldest requests sharing ``first``'s shapes, in order, that fit in one batch."""
+        chosen: list[_Pending] = []
+        rows = 0
+        for p in self._queue:
+            if p.key != first.key:
+                continue
+            if rows + p.rows > self.config.max_batch_size:
+                break
+            chosen.append(p)
+            rows += p.rows
+            if not self.stack or rows == self.config.max_batch_size:
+                break
+        return chosen, rows
+
+    def _take(self, chosen: list[_Pending]) -> list[_Pending]:
+        taken = {id(p) for p in chosen}
+        if all(self._queue[i] is p for i, p in enumerate(chosen)):
+            for _ in chosen:
+                self._queue.popleft()
+        else:
+            self._queue = deque(p for p in self._queue if id(p) not in taken)
+        for p in chosen:
+            p.state = _State.RUNNING
+        self._observer.queue_depth(len(self._queue))
+        return chosen
+
+    # -- batch execution ------------------------------------------------------------------
+    async def _dispatch(self, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        queue_s = [started - p.enqueued for p in batch]
+        rows = sum(p.rows for p in batch)
+        try:
+            parts = await loop.run_in_executor(
+                self._pool, self._compute, [p.inputs for p in batch], [p.rows for p in batch]
+            )
+        except Exception as err:  # every waiter gets its own error carrying the cause
+            for p in batch:
+                failure = InferenceFailed(f"model {self.name} failed on a batch of {rows}: {err}")
+                failure.__cause__ = err
+                self._finish(p, error=failure)
+        else:
+            for p, out in zip(batch, parts, strict=True):
+                self._finish(p, result=out)
+        finally:
+            self._slots.release()
+            self._observer.batch_done(rows, queue_s, loop.time() - started)
+
+    def _compute(self, inputs: list[Tensors], rows: list[int]) -> list[Tensors]:
+        """Runs in a pool thread: concatenate, run, check one result per row, split back."""
+        if len(inputs) == 1:
+            merged = inputs[0]
+        else:
+            merged = {k: np.concatenate([i[k] for i in inputs]) for k in inputs[0]}
+        out = self._run(merged)
+        if not self.stack:
+            return [out]
+        total = sum(rows)
+        for name, arr in out.items():
+            if arr.ndim == 0 or arr.shape[0] != total:
+                got = arr.shape[0] if arr.ndim else "a scalar"
+                raise InferenceFailed(
+                    f"output {name!r} has {got} rows for {total} input rows; a batched model "
+                    "must return one result per input row"
+                )
+        bounds = np.cumsum([0, *rows])
+        return [
+            {k: v[a:b] for k, v in out.items()}
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]

@@ -1,0 +1,210 @@
+"""What the server runs: one small backend interface, an ONNX Runtime backend, and a fake.
+
+``InferenceBackend.run(inputs) -> outputs`` takes and returns ``{name: np.ndarray}`` with the
+batch on axis 0. Its metadata (names, dtypes, shapes with ``None`` for free dimensions) is read
+from the model itself. :func:`load_served_models` turns command-line paths (a run directory or an
+``.onnx`` file) into :class:`ServedModel` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import ManifestError, ModelFileError, ServeError
+
+__all__ = [
+    "FakeBackend",
+    "InferenceBackend",
+    "OrtBackend",
+    "ServedModel",
+    "TensorSpec",
+    "load_served_models",
+    "resolve_model_path",
+]
+
+Tensors = dict[str, np.ndarray]
+Processor = Callable[[Tensors], Tensors]
+
+_ORT_TO_NP = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int16)": "int16",
+    "tensor(int8)": "int8",
+    "tensor(uint64)": "uint64",
+    "tensor(uint32)": "uint32",
+    "tensor(uint16)": "uint16",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A model input or output: numpy dtype name and shape (``None`` = any size)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+
+    @property
+    def batch_dim(self) -> int | None:
+        """The leading dimension: ``None`` when free (batchable), else its fixed size."""
+        return self.shape[0] if self.shape else None
+
+
+class InferenceBackend(Protocol):
+    """One runtime. ``run`` may be called from several threads at once."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    platform: str
+
+    def run(self, inputs: Tensors) -> Tensors: ...
+
+
+class OrtBackend:
+    """An ONNX Runtime session; ``threads`` intra-op threads per call, calls may overlap."""
+
+    platform = "onnxruntime_onnx"
+
+    def __init__(self, path: Path, threads: int = 1) -> None:
+        from ..measure.runners import ort_session
+
+        self.path = Path(path)
+        self.session = ort_session(self.path, threads)
+        self.inputs = [_spec(a) for a in self.session.get_inputs()]
+        self.outputs = [_spec(a) for a in self.session.get_outputs()]
+        self._output_names = [o.name for o in self.outputs]
+
+    def run(self, inputs: Tensors) -> Tensors:
+        values = self.session.run(self._output_names, inputs)
+        return dict(zip(self._output_names, values, strict=True))
+
+
+def _spec(arg: Any) -> TensorSpec:
+    if arg.type not in _ORT_TO_NP:
+        raise ModelFileError(
+            f"tensor {arg.name!r} has type {arg.type}, which the server cannot carry; "
+            "serve a model with numeric or bool inputs and outputs"
+        )
+    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or []))
+    return TensorSpec(arg.name, _ORT_TO_NP[arg.type], shape)
+
+
+class FakeBackend:
+    """A backend for tests: ``fn(inputs) -> outputs`` after ``delay_s``; records each batch."""
+
+    platform = "fake"
+
+    def __init__(
+        self,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+        fn: Callable[[Tensors], Tensors],
+        delay_s: float = 0.0,
+    ) -> None:
+        self.inputs = inputs
+        self.outputs = outputs
+        self.fn = fn
+        self.delay_s = delay_s
+        self.batches: list[int] = []
+        self._lock = threading.Lock()
+
+    def run(self, inputs: Tensors) -> Tensors:
+        with self._lock:
+            self.batches.append(len(next(iter(inputs.values()))))
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.fn(inputs)
+
+
+@dataclass
+class ServedModel:
+    """A model under its served name, with optional pre/post-processing (own thread pool)."""
+
+    name: str
+    backend: InferenceBackend
+    version: str = "1"
+    preprocess: Processor | None = None
+    postprocess: Processor | None = None
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batchable(self) -> bool:
+        """True when every input's leading dimension is free, so requests can be stacked."""
+        return all(s.shape and s.batch_dim is None for s in self.backend.inputs)
+
+    def fixed_batch(self) -> int | None:
+        """The model's fixed leading size when it is not batchable (``1`` for rank-0 inputs)."""
+        if self.batchable:
+            return None
+        dims = {s.batch_dim for s in self.backend.inputs if s.shape}
+        return int(next(iter(dims))) if len(dims) == 1 and None not in dims else 1
+
+
+def resolve_model_path(path: Path) -> tuple[str, Path, dict[str, Any]]:
+    """``(served name, onnx file, meta)`` for a run directory or an ``.onnx`` file."""
+    if path.is_dir():
+        return _from_run_dir(path)
+    if path.suffix == ".onnx":
+        if not path.is_file():
+            raise ModelFileError(f"ONNX file {path} does not exist; check the path")
+        return path.stem, path, {"source": str(path)}
+    raise ServeError(
+        f"{path} is neither a run directory nor an .onnx file; pass runs/<id> or model.onnx"
+    )
+
+
+def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
+    manifest_path = run_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise ManifestError(
+            f"{run_dir} has no manifest.json; pass a run directory written by `slimline optimize`"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        selected = manifest["selected"]
+        name = manifest["task"]["name"]
+        cand = next(c for c in manifest["candidates"] if c["name"] == selected)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        raise ManifestError(
+            f"{manifest_path} lacks a selected candidate with its task name; rerun "
+            "`slimline optimize` or serve the .onnx artifact directly"
+        ) from None
+    if not cand.get("artifact"):
+        raise ServeError(
+            f"run {run_dir}: the selected candidate {selected!r} has no ONNX artifact "
+            "(a torch model cannot be served); export it to ONNX first"
+        )
+    onnx_path = run_dir / cand["artifact"]
+    if not onnx_path.is_file():
+        raise ModelFileError(f"run {run_dir}: artifact {onnx_path} is missing; rerun the pipeline")
+    meta = {"source": str(run_dir), "candidate": selected, "run_status": manifest.get("status")}
+    return str(name), onnx_path, meta
+
+
+def load_served_models(paths: list[Path], threads: int = 1) -> list[ServedModel]:
+    """Load each path as an ONNX Runtime model; two paths may not share a served name."""
+    models: list[ServedModel] = []
+    for path in paths:
+        name, onnx_path, meta = resolve_model_path(Path(path))
+        if any(m.name == name for m in models):
+            raise ServeError(
+                f"two models are both named {name!r}; serve them from separate processes or "
+                "rename one .onnx file"
+            )
+        backend = OrtBackend(onnx_path, threads)
+        models.append(ServedModel(name, backend, source=str(path), meta=meta))
+    return models
