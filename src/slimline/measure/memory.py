@@ -1,7 +1,7 @@
 """Peak RSS of a model, measured in a fresh subprocess that loads it and runs it.
 
 The worker records its RSS after imports (the runtime's own cost), loads the model, runs it on
-the given inputs, and reports the process's peak RSS (``ru_maxrss``). ``peak_rss_mb`` is what the
+the given inputs, and reports the process's peak RSS (``VmHWM``). ``peak_rss_mb`` is what the
 process peaked at; ``model_rss_mb`` is the part above the post-import baseline.
 """
 
@@ -23,12 +23,16 @@ from ..task import Inputs
 __all__ = ["peak_rss"]
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _rss_mb() -> float:
+    return _status_mb("VmRSS")
 
 
 def peak_rss(cand: Candidate, sample: Inputs, threads: int, task_source: str | None,
@@ -57,7 +61,6 @@ def peak_rss(cand: Candidate, sample: Inputs, threads: int, task_source: str | N
 
 def _worker(argv: list[str]) -> dict[str, Any]:
     import argparse
-    import resource
 
     p = argparse.ArgumentParser()
     p.add_argument("--onnx")
@@ -83,7 +86,9 @@ def _worker(argv: list[str]) -> dict[str, Any]:
         runner = TorchRunner("m", task.model(), a.threads)
     for _ in range(a.runs):
         runner.run(inputs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM belongs to this address space; ru_maxrss would carry the forking parent's peak
+    # across exec and report the parent's size instead of ours.
+    peak = _status_mb("VmHWM")
     return {"peak_rss_mb": round(peak, 1), "baseline_rss_mb": round(base, 1),
             "model_rss_mb": round(peak - base, 1)}
 

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slimline.compress.graph import GraphConfig
+from slimline.errors import RecipeError
+from slimline.export import ExportConfig
+from slimline.recipe import BenchConfig, BudgetConfig, TargetConfig, load_recipe, recipe_from_dict
+
+
+def test_round_trip_through_dict_and_yaml(tiny_recipe: dict, tmp_path: Path) -> None:
+    r = recipe_from_dict(tiny_recipe)
+    assert [type(s) for s in r.steps] == [ExportConfig, GraphConfig]
+    again = recipe_from_dict(r.to_dict())
+    assert again == r
+    f = tmp_path / "r.yaml"
+    f.write_text(r.to_yaml())
+    assert load_recipe(f) == r
+
+
+@pytest.mark.parametrize("cfg", [ExportConfig(), GraphConfig(level="basic"), TargetConfig(threads=3),
+                                 BudgetConfig(max_metric_drop=0.02), BenchConfig(rounds=10, runs_per_round=20)])
+def test_every_config_round_trips(cfg) -> None:
+    assert type(cfg).model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+def test_unknown_key_is_an_error_naming_the_key(tiny_recipe: dict) -> None:
+    tiny_recipe["budgett"] = {}
+    with pytest.raises(RecipeError, match="budgett: unknown key"):
+        recipe_from_dict(tiny_recipe)
+
+
+def test_unknown_step_key_and_wrong_type(tiny_recipe: dict) -> None:
+    tiny_recipe["steps"] = [{"graph": {"levl": "basic"}}]
+    with pytest.raises(RecipeError, match="levl"):
+        recipe_from_dict(tiny_recipe)
+    tiny_recipe["steps"] = [{"graph": {"level": "ultra"}}]
+    with pytest.raises(RecipeError, match="level"):
+        recipe_from_dict(tiny_recipe)
+    tiny_recipe["steps"] = ["nosuchstep"]
+    with pytest.raises(RecipeError, match="unknown step 'nosuchstep'"):
+        recipe_from_dict(tiny_recipe)
+
+
+def test_too_few_timed_runs_rejected(tiny_recipe: dict) -> None:
+    tiny_recipe["bench"]["runs_per_round"] = 10
+    with pytest.raises(RecipeError, match="at least 200 runs"):
+        recipe_from_dict(tiny_recipe)
+
+
+def test_validate_assignment() -> None:
+    b = BudgetConfig()
+    with pytest.raises(ValueError):
+        b.min_cosine = 2.0
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    bad.write_text("- just a list")
+    with pytest.raises(RecipeError, match="mapping"):
+        load_recipe(bad)
+
+
+def test_relative_task_path_is_relative_to_recipe(tmp_path: Path, tiny_task_file: Path) -> None:
+    (tmp_path / "t.py").write_text(tiny_task_file.read_text())
+    f = tmp_path / "r.yaml"
+    f.write_text("name: x\ntask: t.py\n")
+    assert load_recipe(f).task == str(tmp_path / "t.py")
