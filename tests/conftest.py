@@ -21,8 +21,14 @@ def tiny_recipe(tiny_task_file: Path) -> dict:
         "name": "tiny",
         "task": str(tiny_task_file),
         "target": {"threads": 1},
-        "bench": {"rounds": 4, "runs_per_round": 50, "batch_sizes": [1, 4],
-                  "throughput_min_seconds": 0.02, "warmup": 2, "peak_rss": False},
+        "bench": {
+            "rounds": 4,
+            "runs_per_round": 50,
+            "batch_sizes": [1, 4],
+            "throughput_min_seconds": 0.02,
+            "warmup": 2,
+            "peak_rss": False,
+        },
         "steps": ["export", {"graph": {"level": "extended"}}],
     }
 

@@ -28,7 +28,9 @@ def test_print_recipe_round_trips(tmp_path: Path, tiny_recipe: dict, capsys) -> 
     f.write_text(yaml.safe_dump(tiny_recipe))
     assert main(["optimize", str(f), "--print-recipe", "--threads", "2"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["target"]["threads"] == 2 and printed["steps"][0] == {"export": printed["steps"][0]["export"]}
+    assert printed["target"]["threads"] == 2 and printed["steps"][0] == {
+        "export": printed["steps"][0]["export"]
+    }
 
 
 def test_check_rejects_non_manifest_baseline(tmp_path: Path, capsys) -> None:
@@ -41,9 +43,20 @@ def test_check_rejects_non_manifest_baseline(tmp_path: Path, capsys) -> None:
 def test_check_exit_codes(tmp_path: Path) -> None:
     def write(name: str, p50: float) -> Path:
         p = tmp_path / name
-        p.write_text(json.dumps({"schema": 1, "candidates": [
-            {"name": "fp32-onnx", "latency_ms": {"p50": p50, "band": [p50 * 0.98, p50 * 1.02]},
-             "metric": {"name": "m", "value": 1.0}}]}))
+        p.write_text(
+            json.dumps(
+                {
+                    "schema": 1,
+                    "candidates": [
+                        {
+                            "name": "fp32-onnx",
+                            "latency_ms": {"p50": p50, "band": [p50 * 0.98, p50 * 1.02]},
+                            "metric": {"name": "m", "value": 1.0},
+                        }
+                    ],
+                }
+            )
+        )
         return p
 
     base, slow = write("base.json", 1.0), write("slow.json", 1.5)
@@ -55,13 +68,27 @@ def test_profile_onnx_with_mismatched_samples(tmp_path: Path, tiny_task_file: Pa
     t = load_task(str(tiny_task_file))
     onnx = export_module(t.model(), t.sample_inputs(2), tmp_path / "tiny.onnx")
     np.savez(tmp_path / "s.npz", x=np.zeros((3, 1, 12, 12), np.int64))
-    proc = subprocess.run([sys.executable, "-m", "slimline.cli", "profile", str(onnx), "--samples",
-                           str(tmp_path / "s.npz"), "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slimline.cli",
+            "profile",
+            str(onnx),
+            "--samples",
+            str(tmp_path / "s.npz"),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: samples s.npz for tiny.onnx: input 'x' is int64 but the model expects float32; "
-        "convert it with .astype(np.float32)"]
+        "convert it with .astype(np.float32)"
+    ]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "manifest.json").exists()
 
@@ -71,6 +98,18 @@ def test_corrupt_onnx_profile(tmp_path: Path, content: bytes) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(content)
     np.savez(tmp_path / "s.npz", x=np.zeros((3, 1, 12, 12), np.float32))
-    proc = subprocess.run([sys.executable, "-m", "slimline.cli", "profile", str(bad), "--samples",
-                           str(tmp_path / "s.npz")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slimline.cli",
+            "profile",
+            str(bad),
+            "--samples",
+            str(tmp_path / "s.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "re-export it" in proc.stderr and "Traceback" not in proc.stderr

@@ -21,7 +21,9 @@ def _manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
 
 
-def test_full_run_writes_manifest_artifacts_report(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None:
+def test_full_run_writes_manifest_artifacts_report(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
     m = _manifest(out)
@@ -62,7 +64,9 @@ def test_rerun_reuses_cache(tiny_recipe: dict, tmp_path: Path, cache: Path, capl
     assert [c["latency_ms"] for c in a["candidates"]] == [c["latency_ms"] for c in b["candidates"]]
 
 
-def test_failed_export_check_is_an_error_and_run_records_it(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None:
+def test_failed_export_check_is_an_error_and_run_records_it(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
     tiny_recipe["steps"] = [{"export": {"max_abs_err": 1e-30, "min_cosine": 1.0}}]
     with pytest.raises(ExportError, match="disagrees with PyTorch"):
         run_recipe(recipe_from_dict(tiny_recipe), tmp_path / "r", cache=cache)
@@ -76,9 +80,21 @@ def test_kill_and_resume(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(tiny_recipe))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "slimline.cli", "optimize", str(recipe), "--out", str(out), "--cache", str(cache)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimline.cli",
+        "optimize",
+        str(recipe),
+        "--out",
+        str(out),
+        "--cache",
+        str(cache),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
     assert proc.stderr is not None
     deadline = time.time() + 120
     for line in proc.stderr:
@@ -93,14 +109,26 @@ def test_kill_and_resume(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None
     assert again.returncode == 0, again.stderr[-2000:]
     assert "step export: reusing cached result" in again.stderr
     assert _manifest(out)["status"] == "complete"
-    leftovers = [p for p in [*out.rglob("*"), *cache.rglob("*")] if p.name.endswith(".tmp") or p.name.startswith("tmp-")]
+    leftovers = [
+        p
+        for p in [*out.rglob("*"), *cache.rglob("*")]
+        if p.name.endswith(".tmp") or p.name.startswith("tmp-")
+    ]
     assert leftovers == []
 
 
 def test_check_gate_detects_slowdown_beyond_noise() -> None:
     def manifest(p50: float, band: tuple[float, float], metric: float) -> dict:
-        return {"schema": 1, "candidates": [{"name": "q", "latency_ms": {"p50": p50, "band": list(band)},
-                                              "metric": {"name": "top1", "value": metric}}]}
+        return {
+            "schema": 1,
+            "candidates": [
+                {
+                    "name": "q",
+                    "latency_ms": {"p50": p50, "band": list(band)},
+                    "metric": {"name": "top1", "value": metric},
+                }
+            ],
+        }
 
     base = manifest(1.0, (0.95, 1.05), 0.90)
     regs, _ = compare_manifests(manifest(1.30, (1.25, 1.35), 0.90), base)

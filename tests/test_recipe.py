@@ -20,8 +20,16 @@ def test_round_trip_through_dict_and_yaml(tiny_recipe: dict, tmp_path: Path) -> 
     assert load_recipe(f) == r
 
 
-@pytest.mark.parametrize("cfg", [ExportConfig(), GraphConfig(level="basic"), TargetConfig(threads=3),
-                                 BudgetConfig(max_metric_drop=0.02), BenchConfig(rounds=10, runs_per_round=20)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ExportConfig(),
+        GraphConfig(level="basic"),
+        TargetConfig(threads=3),
+        BudgetConfig(max_metric_drop=0.02),
+        BenchConfig(rounds=10, runs_per_round=20),
+    ],
+)
 def test_every_config_round_trips(cfg) -> None:
     assert type(cfg).model_validate(cfg.model_dump(mode="json")) == cfg
 

@@ -81,7 +81,7 @@ def test_onnx_task_bad_inputs(onnx_file: Path, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="needs sample inputs"):
         load_task(str(onnx_file))
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(DataError, match="not a readable .npz"):
+    with pytest.raises(DataError, match=r"not a readable \.npz"):
         load_task(str(onnx_file), str(tmp_path / "junk.npz"))
 
 

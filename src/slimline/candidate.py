@@ -55,5 +55,7 @@ def module_hash(module: Any) -> str:
         h.update(name.encode())
         h.update(str(t.dtype).encode())
         h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(
+            t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
+        )
     return "sha256:" + h.hexdigest()

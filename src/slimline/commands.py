@@ -27,13 +27,17 @@ def resolve_recipe(arg: str) -> Any:
     builtin = builtin_recipes()
     if arg in builtin:
         return load_recipe(builtin[arg])
-    raise RecipeError(f"{arg!r} is neither a recipe file nor a built-in recipe ({', '.join(builtin)}); "
-                      "`slimline examples` lists the built-ins")
+    raise RecipeError(
+        f"{arg!r} is neither a recipe file nor a built-in recipe ({', '.join(builtin)}); "
+        "`slimline examples` lists the built-ins"
+    )
 
 
 def _apply_overrides(recipe: Any, args: argparse.Namespace) -> Any:
     if getattr(args, "threads", None):
-        recipe = recipe.model_copy(update={"target": recipe.target.model_copy(update={"threads": args.threads})})
+        recipe = recipe.model_copy(
+            update={"target": recipe.target.model_copy(update={"threads": args.threads})}
+        )
     return recipe
 
 
@@ -68,8 +72,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .recipe import Recipe
 
     name = "profile-" + Path(args.task).stem.replace(" ", "_")
-    recipe = Recipe(name=name, task=str(Path(args.task).resolve()) if args.task.endswith((".py", ".onnx")) else args.task,
-                    samples=str(Path(args.samples).resolve()) if args.samples else None)
+    recipe = Recipe(
+        name=name,
+        task=str(Path(args.task).resolve()) if args.task.endswith((".py", ".onnx")) else args.task,
+        samples=str(Path(args.samples).resolve()) if args.samples else None,
+    )
     recipe = _apply_overrides(recipe, args)
     run = run_recipe(recipe, args.out, cache=args.cache, remeasure=args.remeasure)
     _finish(run.out)
@@ -91,8 +98,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .record import load_manifest
 
     current, baseline = load_manifest(args.run_dir), load_manifest(args.baseline)
-    regressions, notes = compare_manifests(current, baseline, max_latency_regression=args.max_latency_regression,
-                                           max_metric_drop=args.max_metric_drop)
+    regressions, notes = compare_manifests(
+        current,
+        baseline,
+        max_latency_regression=args.max_latency_regression,
+        max_metric_drop=args.max_metric_drop,
+    )
     for n in notes:
         print(n)
     for r in regressions:
@@ -118,20 +129,32 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, help="run directory (default runs/<name>-<time>-<hash>)")
-    p.add_argument("--cache", type=Path, help="step cache (default $SLIMLINE_CACHE or ~/.cache/slimline)")
+    p.add_argument(
+        "--cache", type=Path, help="step cache (default $SLIMLINE_CACHE or ~/.cache/slimline)"
+    )
     p.add_argument("--threads", type=int, help="override the target's thread count")
-    p.add_argument("--remeasure", action="store_true", help="measure again instead of reusing cached figures")
+    p.add_argument(
+        "--remeasure", action="store_true", help="measure again instead of reusing cached figures"
+    )
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("optimize", help="run a recipe: prune -> recover -> quantize -> verify -> benchmark")
-    p.add_argument("recipe", help="recipe YAML file or built-in recipe name (see `slimline examples`)")
+    p = sub.add_parser(
+        "optimize", help="run a recipe: prune -> recover -> quantize -> verify -> benchmark"
+    )
+    p.add_argument(
+        "recipe", help="recipe YAML file or built-in recipe name (see `slimline examples`)"
+    )
     _common(p)
-    p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit")
+    p.add_argument(
+        "--print-recipe", action="store_true", help="print the resolved recipe as YAML and exit"
+    )
     p.add_argument("--save-recipe", type=Path, help="also write the resolved recipe to this file")
     p.set_defaults(func=cmd_optimize)
 
-    p = sub.add_parser("profile", help="baseline only: latency, throughput, memory, size, per-op time, weights")
+    p = sub.add_parser(
+        "profile", help="baseline only: latency, throughput, memory, size, per-op time, weights"
+    )
     p.add_argument("task", help="example name, task .py file, or model .onnx file")
     p.add_argument("--samples", help=".npz of sample inputs (for an .onnx task)")
     _common(p)
@@ -141,7 +164,9 @@ def register(sub: Any) -> None:
     p.add_argument("run_dir", type=Path)
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("check", help="CI gate: exit 1 when a run regressed against a baseline manifest")
+    p = sub.add_parser(
+        "check", help="CI gate: exit 1 when a run regressed against a baseline manifest"
+    )
     p.add_argument("run_dir", help="run directory or manifest.json")
     p.add_argument("--baseline", required=True, help="baseline manifest.json (or run directory)")
     p.add_argument("--max-latency-regression", type=float, default=0.10)

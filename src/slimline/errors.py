@@ -8,18 +8,18 @@ shows a traceback for these. ``assert`` is kept for internal invariants only.
 from __future__ import annotations
 
 __all__ = [
-    "SlimlineError",
-    "TaskError",
-    "RecipeError",
-    "ModelFileError",
-    "InputMismatchError",
-    "ExportError",
-    "ManifestError",
-    "StepError",
     "BudgetError",
     "DataError",
-    "ServeError",
+    "ExportError",
+    "InputMismatchError",
     "LoadTestError",
+    "ManifestError",
+    "ModelFileError",
+    "RecipeError",
+    "ServeError",
+    "SlimlineError",
+    "StepError",
+    "TaskError",
 ]
 
 

@@ -17,8 +17,8 @@ from .context import StepContext
 from .errors import ExportError
 from .measure.quality import fidelity
 from .measure.runners import OrtRunner, TorchRunner
-from .record import atomic_write_bytes
 from .recipe import StepConfig
+from .record import atomic_write_bytes
 from .steps import step
 from .task import Inputs
 
@@ -31,7 +31,9 @@ class ExportConfig(StepConfig):
     kind: ClassVar[str] = "export"
     opset: int = Field(17, ge=17, le=23)
     max_abs_err: float = Field(1e-3, gt=0.0, description="export check: max abs error vs PyTorch")
-    min_cosine: float = Field(0.9999, gt=0.0, le=1.0, description="export check: min cosine vs PyTorch")
+    min_cosine: float = Field(
+        0.9999, gt=0.0, le=1.0, description="export check: min cosine vs PyTorch"
+    )
     check_samples: int = Field(8, ge=1, le=1024)
 
 
@@ -53,7 +55,7 @@ def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> P
             torch.onnx.export(
                 module,
                 args,
-                buf,
+                buf,  # type: ignore[arg-type]
                 input_names=names,
                 output_names=["output"],
                 dynamic_axes=dynamic,
@@ -71,12 +73,15 @@ def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> P
     return path
 
 
-def verify_export(module: Any, path: Path, sample: Inputs, cfg: ExportConfig, threads: int) -> dict[str, Any]:
+def verify_export(
+    module: Any, path: Path, sample: Inputs, cfg: ExportConfig, threads: int
+) -> dict[str, Any]:
     """Compare ONNX Runtime against PyTorch on ``sample``; raise :class:`ExportError` on mismatch."""
     ref = TorchRunner("torch", module, threads).run(sample)
     got = OrtRunner("onnx", path, threads).run(sample)
     fid = fidelity(got, ref, logits=False)
-    if fid["max_abs_err"] > cfg.max_abs_err or fid["cosine_min"] < cfg.min_cosine:
+    err, cos = float(fid["max_abs_err"] or 0.0), float(fid["cosine_min"] or 0.0)
+    if err > cfg.max_abs_err or cos < cfg.min_cosine:
         raise ExportError(
             f"exported ONNX disagrees with PyTorch: max abs error {fid['max_abs_err']:.3g} "
             f"(limit {cfg.max_abs_err:g}), min cosine {fid['cosine_min']:.6f} (limit {cfg.min_cosine}); "
@@ -88,12 +93,22 @@ def verify_export(module: Any, path: Path, sample: Inputs, cfg: ExportConfig, th
 @step(ExportConfig)
 def export_step(cfg: ExportConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     if cand.module is None:
-        raise ExportError(f"candidate {cand.name} has no torch module to export; an ONNX task starts exported")
+        raise ExportError(
+            f"candidate {cand.name} has no torch module to export; an ONNX task starts exported"
+        )
     sample = ctx.task.sample_inputs(cfg.check_samples)
     path = export_module(cand.module, sample, ctx.workdir / "model.onnx", cfg.opset)
     check = verify_export(cand.module, path, sample, cfg, ctx.threads)
-    log.info("export verified: max abs err %.3g, min cosine %.6f", check["max_abs_err"], check["cosine_min"])
+    log.info(
+        "export verified: max abs err %.3g, min cosine %.6f",
+        check["max_abs_err"],
+        check["cosine_min"],
+    )
     return Candidate(
-        name="fp32-onnx", step="export", parent=cand.name, onnx=path, module=cand.module,
+        name="fp32-onnx",
+        step="export",
+        parent=cand.name,
+        onnx=path,
+        module=cand.module,
         meta={"opset": cfg.opset, "export_check": check},
     )

@@ -36,13 +36,20 @@ def _latency(name: str, base: dict[str, Any], cur: dict[str, Any], tol: float) -
     rel = c["p50"] / b["p50"] - 1.0
     beyond_band = c["band"][0] > b["band"][1]
     if rel > tol and beyond_band:
-        return Regression(name, "latency p50 ms", b["p50"], c["p50"],
-                          f"+{rel:.1%} > {tol:.0%} tolerance, band {c['band'][0]:.3f}-{c['band'][1]:.3f} "
-                          f"above baseline band {b['band'][0]:.3f}-{b['band'][1]:.3f}")
+        return Regression(
+            name,
+            "latency p50 ms",
+            b["p50"],
+            c["p50"],
+            f"+{rel:.1%} > {tol:.0%} tolerance, band {c['band'][0]:.3f}-{c['band'][1]:.3f} "
+            f"above baseline band {b['band'][0]:.3f}-{b['band'][1]:.3f}",
+        )
     return None
 
 
-def _metric(name: str, base: dict[str, Any], cur: dict[str, Any], max_drop: float) -> Regression | None:
+def _metric(
+    name: str, base: dict[str, Any], cur: dict[str, Any], max_drop: float
+) -> Regression | None:
     b, c = (base.get("metric") or {}).get("value"), (cur.get("metric") or {}).get("value")
     if b is None or c is None:
         return None
@@ -52,9 +59,13 @@ def _metric(name: str, base: dict[str, Any], cur: dict[str, Any], max_drop: floa
     return None
 
 
-def compare_manifests(current: dict[str, Any], baseline: dict[str, Any], *,
-                      max_latency_regression: float = 0.10, max_metric_drop: float = 0.005
-                      ) -> tuple[list[Regression], list[str]]:
+def compare_manifests(
+    current: dict[str, Any],
+    baseline: dict[str, Any],
+    *,
+    max_latency_regression: float = 0.10,
+    max_metric_drop: float = 0.005,
+) -> tuple[list[Regression], list[str]]:
     """Regressions, and notes (candidates compared or missing), of ``current`` vs ``baseline``."""
     cur, base = _by_name(current), _by_name(baseline)
     regressions: list[Regression] = []
@@ -64,9 +75,14 @@ def compare_manifests(current: dict[str, Any], baseline: dict[str, Any], *,
         if c is None:
             notes.append(f"{name}: in the baseline but not in this run")
             continue
-        for r in (_latency(name, b, c, max_latency_regression), _metric(name, b, c, max_metric_drop)):
+        for r in (
+            _latency(name, b, c, max_latency_regression),
+            _metric(name, b, c, max_metric_drop),
+        ):
             if r is not None:
                 regressions.append(r)
-        if (b.get("latency_ms") and c.get("latency_ms")):
-            notes.append(f"{name}: p50 {b['latency_ms']['p50']:.3f} -> {c['latency_ms']['p50']:.3f} ms")
+        if b.get("latency_ms") and c.get("latency_ms"):
+            notes.append(
+                f"{name}: p50 {b['latency_ms']['p50']:.3f} -> {c['latency_ms']['p50']:.3f} ms"
+            )
     return regressions, notes

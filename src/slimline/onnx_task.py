@@ -24,17 +24,23 @@ _BATCH = 16
 
 def load_samples(path: Path) -> Inputs:
     if not path.is_file():
-        raise DataError(f"samples file {path} does not exist; pass an .npz of input arrays keyed by input name")
+        raise DataError(
+            f"samples file {path} does not exist; pass an .npz of input arrays keyed by input name"
+        )
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, ValueError, OSError) as err:
-        raise DataError(f"samples file {path} is not a readable .npz ({err}); write it with numpy.savez") from None
+        raise DataError(
+            f"samples file {path} is not a readable .npz ({err}); write it with numpy.savez"
+        ) from None
     if not arrays:
         raise DataError(f"samples file {path} holds no arrays; save one array per model input")
     sizes = {len(a) for a in arrays.values()}
     if len(sizes) != 1:
-        raise InputMismatchError(f"samples in {path} have different batch sizes {sorted(sizes)}; give each input the same number of rows")
+        raise InputMismatchError(
+            f"samples in {path} have different batch sizes {sorted(sizes)}; give each input the same number of rows"
+        )
     return arrays
 
 
@@ -44,7 +50,9 @@ def onnx_task(path: Path, samples: Path | None) -> Task:
     if not path.is_file():
         raise ModelFileError(f"ONNX file {path} does not exist; check the path")
     if samples is None:
-        raise DataError(f"ONNX task {path} needs sample inputs: pass --samples inputs.npz (arrays keyed by input name)")
+        raise DataError(
+            f"ONNX task {path} needs sample inputs: pass --samples inputs.npz (arrays keyed by input name)"
+        )
     data = load_samples(samples)
     runner = OrtRunner(path.stem, path, 1)  # raises ModelFileError on a corrupt file
     check_inputs(data, runner.spec, f"samples {samples.name} for {path.name}")
@@ -68,8 +76,18 @@ def onnx_task(path: Path, samples: Path | None) -> Task:
     def metric(outputs: np.ndarray, labels: Any) -> float:
         a = outputs.reshape(len(outputs), -1).astype(np.float64)
         b = np.asarray(labels).reshape(len(labels), -1).astype(np.float64)
-        cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+        cos = (a * b).sum(1) / np.maximum(
+            np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12
+        )
         return float(cos.mean())
 
-    return Task(name=path.stem, source=str(path), calibration_data=batches, eval_data=eval_data,
-                metric=metric, metric_name="fidelity", output_kind="other", onnx_path=path)
+    return Task(
+        name=path.stem,
+        source=str(path),
+        calibration_data=batches,
+        eval_data=eval_data,
+        metric=metric,
+        metric_name="fidelity",
+        output_kind="other",
+        onnx_path=path,
+    )

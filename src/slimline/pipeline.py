@@ -27,12 +27,13 @@ from .cache import StepCache
 from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext
 from .errors import SlimlineError, StepError
-from .export import ExportConfig, export_step
+from .export import ExportConfig
 from .measure.latency import benchmark
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
 from .measure.runners import make_runner
 from .paths import cache_dir
+from .recipe import BenchConfig, Recipe, StepConfig
 from .record import (
     MANIFEST_SCHEMA,
     atomic_copy,
@@ -43,7 +44,6 @@ from .record import (
     now_iso,
     versions,
 )
-from .recipe import BenchConfig, Recipe, StepConfig
 from .steps import handler_for, restorer_for
 from .task import Task, load_task
 
@@ -88,14 +88,20 @@ def default_out_dir(recipe: Recipe) -> Path:
     return Path("runs") / f"{recipe.name}-{stamp}-{json_hash(recipe.to_dict())[7:15]}"
 
 
-def run_recipe(recipe: Recipe, out: Path | None = None, *, cache: Path | None = None,
-               remeasure: bool = False) -> Run:
+def run_recipe(
+    recipe: Recipe, out: Path | None = None, *, cache: Path | None = None, remeasure: bool = False
+) -> Run:
     """Run ``recipe`` end to end; returns the finished :class:`Run` (manifest already written)."""
     from .report.html import write_report  # late: report sections import optional modules
 
     task = load_task(recipe.task, recipe.samples)
-    run = Run(recipe=recipe, task=task, out=Path(out or default_out_dir(recipe)),
-              cache=StepCache(cache or cache_dir()), remeasure=remeasure)
+    run = Run(
+        recipe=recipe,
+        task=task,
+        out=Path(out or default_out_dir(recipe)),
+        cache=StepCache(cache or cache_dir()),
+        remeasure=remeasure,
+    )
     run.out.mkdir(parents=True, exist_ok=True)
     try:
         _baselines(run)
@@ -134,8 +140,9 @@ def _baselines(run: Run) -> None:
     if task.is_onnx:
         assert task.onnx_path is not None
         run.hashes["model"] = file_hash(task.onnx_path)
-        fp32 = Candidate("fp32-onnx", "fp32", None, onnx=task.onnx_path, accepted=True,
-                         reason="baseline")
+        fp32 = Candidate(
+            "fp32-onnx", "fp32", None, onnx=task.onnx_path, accepted=True, reason="baseline"
+        )
         run.chain.append(fp32)
         run.reference = _reference(run, fp32)
         return
@@ -144,7 +151,9 @@ def _baselines(run: Run) -> None:
     if hasattr(module, "eval"):
         module.eval()
     run.hashes["model"] = module_hash(module)
-    torch_cand = Candidate("fp32-torch", "fp32", None, module=module, accepted=True, reason="baseline")
+    torch_cand = Candidate(
+        "fp32-torch", "fp32", None, module=module, accepted=True, reason="baseline"
+    )
     run.chain.append(torch_cand)
     run.reference = _reference(run, torch_cand)
     onnx_cand = _cached_step(run, _export_config(run.recipe), torch_cand)
@@ -164,19 +173,33 @@ def _reference(run: Run, cand: Candidate) -> Reference:
 
 def _step_key(run: Run, cfg: StepConfig, cand: Candidate) -> str:
     r = run.recipe
-    return json_hash({
-        "step": cfg.kind, "config": cfg.model_dump(mode="json"), "input": cand.content_hash(),
-        "data": run.hashes, "target": r.target.model_dump(), "budget": r.budget.model_dump(),
-        "bench": r.bench.model_dump(), "versions": run.versions, "task": run.task.source,
-    })
+    return json_hash(
+        {
+            "step": cfg.kind,
+            "config": cfg.model_dump(mode="json"),
+            "input": cand.content_hash(),
+            "data": run.hashes,
+            "target": r.target.model_dump(),
+            "budget": r.budget.model_dump(),
+            "bench": r.bench.model_dump(),
+            "versions": run.versions,
+            "task": run.task.source,
+        }
+    )
 
 
 def _context(run: Run, workdir: Path) -> StepContext:
     assert run.reference is not None
     baseline = next((c for c in run.chain if c.name == "fp32-onnx"), run.chain[0])
-    return StepContext(task=run.task, recipe=run.recipe, workdir=workdir, baseline=baseline,
-                       reference=run.reference, _evaluate=lambda c: _quality(run, c),
-                       _compare=lambda cs: _compare(run, cs))
+    return StepContext(
+        task=run.task,
+        recipe=run.recipe,
+        workdir=workdir,
+        baseline=baseline,
+        reference=run.reference,
+        _evaluate=lambda c: _quality(run, c),
+        _compare=lambda cs: _compare(run, cs),
+    )
 
 
 def _cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
@@ -198,10 +221,15 @@ def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[
     except SlimlineError:
         raise
     except Exception as err:
-        raise StepError(f"step {cfg.kind} failed on {cand.name}: {type(err).__name__}: {err}; "
-                        "earlier artifacts are kept in the run directory") from err
-    return {"chosen": _cand_record(out, workdir), "warnings": ctx.warnings,
-            "alternatives": [_cand_record(c, workdir) for c in ctx.alternatives]}
+        raise StepError(
+            f"step {cfg.kind} failed on {cand.name}: {type(err).__name__}: {err}; "
+            "earlier artifacts are kept in the run directory"
+        ) from err
+    return {
+        "chosen": _cand_record(out, workdir),
+        "warnings": ctx.warnings,
+        "alternatives": [_cand_record(c, workdir) for c in ctx.alternatives],
+    }
 
 
 def _cand_record(c: Candidate, workdir: Path) -> dict[str, Any]:
@@ -211,14 +239,29 @@ def _cand_record(c: Candidate, workdir: Path) -> dict[str, Any]:
         if workdir.resolve() not in path.parents:
             raise StepError(f"step {c.step} returned {path}, outside its work directory")
         rel = str(path.relative_to(workdir.resolve()))
-    return {"name": c.name, "step": c.step, "parent": c.parent, "onnx": rel, "meta": c.meta,
-            "accepted": c.accepted, "reason": c.reason, "measurement": c.measurement}
+    return {
+        "name": c.name,
+        "step": c.step,
+        "parent": c.parent,
+        "onnx": rel,
+        "meta": c.meta,
+        "accepted": c.accepted,
+        "reason": c.reason,
+        "measurement": c.measurement,
+    }
 
 
 def _from_record(rec: dict[str, Any], entry: Path) -> Candidate:
-    return Candidate(name=rec["name"], step=rec["step"], parent=rec["parent"],
-                     onnx=entry / rec["onnx"] if rec["onnx"] else None, meta=rec["meta"],
-                     accepted=rec["accepted"], reason=rec["reason"], measurement=rec["measurement"])
+    return Candidate(
+        name=rec["name"],
+        step=rec["step"],
+        parent=rec["parent"],
+        onnx=entry / rec["onnx"] if rec["onnx"] else None,
+        meta=rec["meta"],
+        accepted=rec["accepted"],
+        reason=rec["reason"],
+        measurement=rec["measurement"],
+    )
 
 
 def _load_entry(run: Run, cfg: StepConfig, parent: Candidate, entry: Path) -> Candidate:
@@ -259,8 +302,13 @@ def _run_step(run: Run, cfg: StepConfig) -> None:
 
 
 def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
-    key = json_hash({"decide": _step_key(run, cfg, parent), "cand": cand.content_hash(),
-                     "parent": parent.content_hash()})
+    key = json_hash(
+        {
+            "decide": _step_key(run, cfg, parent),
+            "cand": cand.content_hash(),
+            "parent": parent.content_hash(),
+        }
+    )
     cached = None if run.remeasure else run.cache.get_json("decision", key)
     if cached is not None:
         return bool(cached["accepted"]), str(cached["reason"])
@@ -315,8 +363,14 @@ def _quality(run: Run, cand: Candidate) -> Quality:
 
 def _compare(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
-    return benchmark(cands, sample, run.recipe.bench, run.threads, throughput=False,
-                     desc="compare " + " vs ".join(c.name for c in cands))
+    return benchmark(
+        cands,
+        sample,
+        run.recipe.bench,
+        run.threads,
+        throughput=False,
+        desc="compare " + " vs ".join(c.name for c in cands),
+    )
 
 
 def _size(c: Candidate) -> int | None:
@@ -336,9 +390,16 @@ def _params(c: Candidate) -> int | None:
 
 def _measure_all(run: Run) -> None:
     cands = run.chain
-    key = json_hash({"measure": [c.content_hash() for c in cands], "names": [c.name for c in cands],
-                     "bench": run.recipe.bench.model_dump(), "target": run.recipe.target.model_dump(),
-                     "data": run.hashes, "versions": run.versions})
+    key = json_hash(
+        {
+            "measure": [c.content_hash() for c in cands],
+            "names": [c.name for c in cands],
+            "bench": run.recipe.bench.model_dump(),
+            "target": run.recipe.target.model_dump(),
+            "data": run.hashes,
+            "versions": run.versions,
+        }
+    )
     cached = None if run.remeasure else run.cache.get_json("measure", key)
     if cached is None:
         cached = _measure_fresh(run, cands)
@@ -373,7 +434,9 @@ def _profile(run: Run) -> None:
     from .measure.opprofile import profile_ops
 
     sample = run.task.sample_inputs(1)
-    targets = {c.name: c for c in run.chain if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted)}
+    targets = {
+        c.name: c for c in run.chain if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted)
+    }
     selected = _selected(run)
     profiles = {}
     for name in {"fp32-onnx", selected.name} & set(targets):
@@ -387,7 +450,9 @@ def _profile(run: Run) -> None:
 
 
 def _selected(run: Run) -> Candidate:
-    return next((c for c in reversed(run.chain) if c.accepted and c.onnx is not None), run.chain[-1])
+    return next(
+        (c for c in reversed(run.chain) if c.accepted and c.onnx is not None), run.chain[-1]
+    )
 
 
 def _entry(run: Run, c: Candidate) -> dict[str, Any]:
@@ -398,8 +463,17 @@ def _entry(run: Run, c: Candidate) -> dict[str, Any]:
         if not dst.exists() or file_hash(dst) != c.content_hash():
             atomic_copy(c.onnx, dst)
     m = c.measurement or {}
-    return {"name": c.name, "step": c.step, "parent": c.parent, "accepted": bool(c.accepted),
-            "reason": c.reason, "artifact": artifact, "runtime": c.runtime, **m, "meta": c.meta}
+    return {
+        "name": c.name,
+        "step": c.step,
+        "parent": c.parent,
+        "accepted": bool(c.accepted),
+        "reason": c.reason,
+        "artifact": artifact,
+        "runtime": c.runtime,
+        **m,
+        "meta": c.meta,
+    }
 
 
 def write_manifest(run: Run, status: str) -> None:
@@ -412,8 +486,13 @@ def write_manifest(run: Run, status: str) -> None:
         "recipe": run.recipe.to_dict(),
         "created": now_iso(),
         "wall_seconds": round(time.time() - run.started, 1),
-        "task": {"name": task.name, "source": task.source, "metric_name": task.metric_name,
-                 "output_kind": task.output_kind, "inputs": _input_spec(run)},
+        "task": {
+            "name": task.name,
+            "source": task.source,
+            "metric_name": task.metric_name,
+            "output_kind": task.output_kind,
+            "inputs": _input_spec(run),
+        },
         "hashes": run.hashes,
         "versions": run.versions,
         "hardware": hardware(),
@@ -430,12 +509,12 @@ def write_manifest(run: Run, status: str) -> None:
 
 
 def _input_spec(run: Run) -> dict[str, Any]:
-    onnx_cand = next((c for c in run.chain if c.onnx is not None), None)
-    if onnx_cand is None:
+    path = next((c.onnx for c in run.chain if c.onnx is not None), None)
+    if path is None:
         return {}
     from .measure.runners import ort_session, session_input_spec
 
-    spec = session_input_spec(ort_session(onnx_cand.onnx, 1, level="disable"))
+    spec = session_input_spec(ort_session(path, 1, level="disable"))
     return {k: {"dtype": d, "shape": s} for k, (d, s) in spec.items()}
 
 

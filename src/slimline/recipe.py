@@ -32,7 +32,7 @@ __all__ = [
     "recipe_from_dict",
 ]
 
-RECIPE_VERSION = 1
+RECIPE_VERSION: Literal[1] = 1
 
 
 class Config(BaseModel):
@@ -141,14 +141,18 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key; remove it or check its spelling (see `slimline optimize --print-recipe`)"
+        msg = (
+            "unknown key; remove it or check its spelling (see `slimline optimize --print-recipe`)"
+        )
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
     return f"recipe {origin}: {where}: {msg}{more}"
 
 
 def recipe_from_dict(data: Any, origin: str = "<dict>") -> Recipe:
     if not isinstance(data, dict):
-        raise RecipeError(f"recipe {origin}: expected a mapping at the top level, got {type(data).__name__}")
+        raise RecipeError(
+            f"recipe {origin}: expected a mapping at the top level, got {type(data).__name__}"
+        )
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
@@ -164,7 +168,9 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
-        raise RecipeError(f"recipe {p} is not valid YAML ({err.__class__.__name__}); fix its syntax") from None
+        raise RecipeError(
+            f"recipe {p} is not valid YAML ({err.__class__.__name__}); fix its syntax"
+        ) from None
     recipe = recipe_from_dict(data, str(p))
     # relative task/sample paths are relative to the recipe file
     updates: dict[str, Any] = {}

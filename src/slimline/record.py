@@ -34,7 +34,16 @@ __all__ = [
 
 MANIFEST_SCHEMA = 1
 _PACKAGES = ("slimline", "torch", "onnx", "onnxruntime", "numpy", "transformers", "torch-pruning")
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "fma", "sse4_2")
+_CPU_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "fma",
+    "sse4_2",
+)
 
 
 def now_iso() -> str:
@@ -168,8 +177,14 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ManifestError(f"{p} is not JSON; pass the manifest.json written by `slimline optimize`") from None
-    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA or not isinstance(data.get("candidates"), list):
+        raise ManifestError(
+            f"{p} is not JSON; pass the manifest.json written by `slimline optimize`"
+        ) from None
+    if (
+        not isinstance(data, dict)
+        or data.get("schema") != MANIFEST_SCHEMA
+        or not isinstance(data.get("candidates"), list)
+    ):
         raise ManifestError(
             f"{p} is not a slimline manifest (schema {MANIFEST_SCHEMA} with a candidates list); "
             "pass the manifest.json written by `slimline optimize`"

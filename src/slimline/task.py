@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -68,7 +68,9 @@ class Task:
         """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
         rows = take_samples(self.calibration_data(), batch)
         if not rows:
-            raise DataError(f"task {self.name}: calibration_data() yielded nothing; it must yield input batches")
+            raise DataError(
+                f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"
+            )
         return rows
 
     def extra(self, name: str, default: Any = None) -> Any:
@@ -137,7 +139,9 @@ def _task_from_module(module: Any, source: str, default_name: str) -> Task:
         )
     kind = getattr(module, "OUTPUT_KIND", "other")
     if kind not in ("logits", "embedding", "other"):
-        raise TaskError(f"task {source}: OUTPUT_KIND must be 'logits', 'embedding' or 'other', not {kind!r}")
+        raise TaskError(
+            f"task {source}: OUTPUT_KIND must be 'logits', 'embedding' or 'other', not {kind!r}"
+        )
     return Task(
         name=str(getattr(module, "NAME", default_name)),
         source=source,
@@ -146,7 +150,7 @@ def _task_from_module(module: Any, source: str, default_name: str) -> Task:
         eval_data=module.eval_data,
         metric=module.metric,
         metric_name=str(getattr(module, "METRIC_NAME", "metric")),
-        output_kind=kind,
+        output_kind=cast(OutputKind, kind),
         train_data=getattr(module, "train_data", None),
         loss=getattr(module, "loss", None),
         module=module,

@@ -18,8 +18,8 @@ import onnx
 from ..candidate import Candidate
 from ..context import StepContext
 from ..measure.runners import ort_session
-from ..record import atomic_write_bytes
 from ..recipe import StepConfig
+from ..record import atomic_write_bytes
 from ..steps import step
 
 __all__ = ["GraphConfig", "is_transformer", "op_counts", "optimize_graph"]
@@ -66,17 +66,33 @@ def optimize_graph(src: Path, dst: Path, cfg: GraphConfig, threads: int) -> dict
         work.unlink(missing_ok=True)
     after = op_counts(dst)
     folded = before.get("BatchNormalization", 0) - after.get("BatchNormalization", 0)
-    return {"level": cfg.level, "transformer_fusion": fused, "ops_before": before,
-            "ops_after": after, "batchnorm_folded": folded,
-            "nodes_before": sum(before.values()), "nodes_after": sum(after.values())}
+    return {
+        "level": cfg.level,
+        "transformer_fusion": fused,
+        "ops_before": before,
+        "ops_after": after,
+        "batchnorm_folded": folded,
+        "nodes_before": sum(before.values()),
+        "nodes_after": sum(after.values()),
+    }
 
 
 @step(GraphConfig)
 def graph_step(cfg: GraphConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     assert cand.onnx is not None, "graph runs on an exported candidate"
     record = optimize_graph(cand.onnx, ctx.workdir / "model.onnx", cfg, ctx.threads)
-    log.info("graph: %d -> %d nodes, %d BatchNorm folded, transformer fusion %s",
-             record["nodes_before"], record["nodes_after"], record["batchnorm_folded"],
-             record["transformer_fusion"])
-    return Candidate(name="graph", step="graph", parent=cand.name, onnx=ctx.workdir / "model.onnx",
-                     module=cand.module, meta=record)
+    log.info(
+        "graph: %d -> %d nodes, %d BatchNorm folded, transformer fusion %s",
+        record["nodes_before"],
+        record["nodes_after"],
+        record["batchnorm_folded"],
+        record["transformer_fusion"],
+    )
+    return Candidate(
+        name="graph",
+        step="graph",
+        parent=cand.name,
+        onnx=ctx.workdir / "model.onnx",
+        module=cand.module,
+        meta=record,
+    )

@@ -63,8 +63,13 @@ def _throughput(runner: Runner, batch: Inputs, size: int, min_seconds: float) ->
 
 
 def benchmark(
-    cands: list[Candidate], sample: Inputs, bench: BenchConfig, threads: int, *,
-    throughput: bool = True, desc: str = "benchmark",
+    cands: list[Candidate],
+    sample: Inputs,
+    bench: BenchConfig,
+    threads: int,
+    *,
+    throughput: bool = True,
+    desc: str = "benchmark",
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size) of each candidate, interleaved."""
     runners = [make_runner(c, threads) for c in cands]
@@ -86,8 +91,10 @@ def benchmark(
                 bar.update(1)
     results: dict[str, dict[str, Any]] = {}
     for c, rounds, tp in zip(cands, lat, tput, strict=True):
-        entry: dict[str, Any] = {"latency_ms": summarize_latency(rounds),
-                                 "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist()}
+        entry: dict[str, Any] = {
+            "latency_ms": summarize_latency(rounds),
+            "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist(),
+        }
         if tp:
             entry["throughput"] = {str(b): float(np.median(v)) for b, v in tp.items()}
             entry["throughput_band"] = {str(b): [min(v), max(v)] for b, v in tp.items()}

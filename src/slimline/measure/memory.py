@@ -35,8 +35,14 @@ def _rss_mb() -> float:
     return _status_mb("VmRSS")
 
 
-def peak_rss(cand: Candidate, sample: Inputs, threads: int, task_source: str | None,
-             runs: int = 20, timeout: float = 600) -> dict[str, float] | None:
+def peak_rss(
+    cand: Candidate,
+    sample: Inputs,
+    threads: int,
+    task_source: str | None,
+    runs: int = 20,
+    timeout: float = 600,
+) -> dict[str, float] | None:
     """Peak RSS for an ONNX candidate, or a torch candidate rebuilt from its task's factory.
 
     Returns ``None`` for a torch module that cannot be rebuilt in a fresh process.
@@ -49,9 +55,19 @@ def peak_rss(cand: Candidate, sample: Inputs, threads: int, task_source: str | N
         return None
     with tempfile.TemporaryDirectory() as tmp:
         npz = Path(tmp) / "inputs.npz"
-        np.savez(npz, **sample)
-        cmd = [sys.executable, "-m", "slimline.measure.memory", *target, "--inputs", str(npz),
-               "--threads", str(threads), "--runs", str(runs)]
+        np.savez(npz, **sample)  # type: ignore[arg-type]
+        cmd = [
+            sys.executable,
+            "-m",
+            "slimline.measure.memory",
+            *target,
+            "--inputs",
+            str(npz),
+            "--threads",
+            str(threads),
+            "--runs",
+            str(runs),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -89,8 +105,11 @@ def _worker(argv: list[str]) -> dict[str, Any]:
     # VmHWM belongs to this address space; ru_maxrss would carry the forking parent's peak
     # across exec and report the parent's size instead of ours.
     peak = _status_mb("VmHWM")
-    return {"peak_rss_mb": round(peak, 1), "baseline_rss_mb": round(base, 1),
-            "model_rss_mb": round(peak - base, 1)}
+    return {
+        "peak_rss_mb": round(peak, 1),
+        "baseline_rss_mb": round(base, 1),
+        "model_rss_mb": round(peak - base, 1),
+    }
 
 
 if __name__ == "__main__":

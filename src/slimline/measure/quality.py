@@ -44,7 +44,9 @@ def collect_outputs(runner: Runner, task: Task, limit: int | None) -> tuple[np.n
         outs.append(np.asarray(runner.run(inputs), dtype=np.float32))
         labels.append(lab)
     if not outs:
-        raise DataError(f"task {task.name}: eval_data() yielded nothing; it must yield (inputs, labels) batches")
+        raise DataError(
+            f"task {task.name}: eval_data() yielded nothing; it must yield (inputs, labels) batches"
+        )
     return np.concatenate(outs), _concat_labels(labels)
 
 
@@ -75,7 +77,9 @@ def _concat_labels(labels: list[Any]) -> Any:
 def fidelity(outputs: np.ndarray, ref: np.ndarray, logits: bool) -> dict[str, float | None]:
     """Per-sample cosine (mean, min), max abs error, and top-1 agreement for logits."""
     if outputs.shape != ref.shape:
-        raise DataError(f"candidate outputs have shape {outputs.shape} but FP32 outputs {ref.shape}")
+        raise DataError(
+            f"candidate outputs have shape {outputs.shape} but FP32 outputs {ref.shape}"
+        )
     a = outputs.reshape(len(outputs), -1).astype(np.float64)
     b = ref.reshape(len(ref), -1).astype(np.float64)
     na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)

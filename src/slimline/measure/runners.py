@@ -36,8 +36,14 @@ _ORT_TO_NP = {
 }
 
 
-def ort_session(path: Path, threads: int, *, profile: bool = False, optimized_out: Path | None = None,
-                level: str = "all") -> Any:
+def ort_session(
+    path: Path,
+    threads: int,
+    *,
+    profile: bool = False,
+    optimized_out: Path | None = None,
+    level: str = "all",
+) -> Any:
     import onnxruntime as ort
 
     if not Path(path).is_file():
@@ -69,7 +75,10 @@ def ort_session(path: Path, threads: int, *, profile: bool = False, optimized_ou
 
 def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
     return {
-        i.name: (_ORT_TO_NP.get(i.type, i.type), [d if isinstance(d, int) else None for d in i.shape])
+        i.name: (
+            _ORT_TO_NP.get(i.type, i.type),
+            [d if isinstance(d, int) else None for d in i.shape],
+        )
         for i in sess.get_inputs()
     }
 
@@ -102,7 +111,9 @@ class TorchRunner:
 
         with torch.inference_mode():
             try:
-                out = self.module(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()})
+                out = self.module(
+                    **{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
+                )
             except TypeError as err:
                 raise InputMismatchError(
                     f"model {self.name} does not accept inputs {sorted(inputs)} ({err}); name the "

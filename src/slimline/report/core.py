@@ -16,17 +16,20 @@ from .plots import figure, png_img
 @section(0, "Run")
 def run_facts(m: dict[str, Any], run_dir: Path) -> str:
     hw, v = m.get("hardware", {}), m.get("versions", {})
-    rows = [
-        ["status", m.get("status")], ["task", f"{m['task']['name']} ({m['task']['source']})"],
-        ["metric", m["task"]["metric_name"]], ["selected", m.get("selected")],
+    rows: list[list[Any]] = [
+        ["status", m.get("status")],
+        ["task", f"{m['task']['name']} ({m['task']['source']})"],
+        ["metric", m["task"]["metric_name"]],
+        ["selected", m.get("selected")],
         ["target", f"{m['target']['runtime']}, {m['target']['threads']} threads"],
         ["budget", html.escape(str(m["recipe"].get("budget")))],
         ["hardware", f"{hw.get('cpu')} x{hw.get('cores')} ({', '.join(hw.get('flags', []))})"],
         ["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
-        ["created", m.get("created")], ["wall time", f"{m.get('wall_seconds')} s"],
+        ["created", m.get("created")],
+        ["wall time", f"{m.get('wall_seconds')} s"],
         ["model hash", m["hashes"].get("model")],
     ]
-    out = table(["", ""], [[str(a), fmt(b)] for a, b in rows])
+    out = table(["", ""], [[str(r[0]), fmt(r[1])] for r in rows])
     if m.get("failure"):
         out += f"<p class='warn'>Run failed: {html.escape(m['failure']['error'])}</p>"
     for w in m.get("warnings", []):
@@ -40,13 +43,17 @@ def candidates(m: dict[str, Any], run_dir: Path) -> str:
     cls = ["acc" if r[2] == "yes" else "rej" for r in rows]
     reasons = "".join(
         f"<li><b>{html.escape(c['name'])}</b> ({'kept' if c.get('accepted') else 'rejected'}): "
-        f"{html.escape(c.get('reason') or '')}</li>" for c in m["candidates"])
+        f"{html.escape(c.get('reason') or '')}</li>"
+        for c in m["candidates"]
+    )
     return table(headers, rows, cls) + f"<ul>{reasons}</ul>"
 
 
 @section(20, "Latency at batch 1 (CDF)")
 def latency_cdf(m: dict[str, Any], run_dir: Path) -> str | None:
-    series = [(c["name"], c["latency_samples_ms"]) for c in m["candidates"] if c.get("latency_samples_ms")]
+    series = [
+        (c["name"], c["latency_samples_ms"]) for c in m["candidates"] if c.get("latency_samples_ms")
+    ]
     if not series:
         return None
     fig, ax = figure()
@@ -67,8 +74,10 @@ def throughput(m: dict[str, Any], run_dir: Path) -> str | None:
     if not rows:
         return None
     sizes = sorted({int(b) for _, tp in rows for b in tp})
-    return table(["candidate", *[f"batch {b} (items/s)" for b in sizes]],
-                 [[n, *[tp.get(str(b)) for b in sizes]] for n, tp in rows])
+    return table(
+        ["candidate", *[f"batch {b} (items/s)" for b in sizes]],
+        [[n, *[tp.get(str(b)) for b in sizes]] for n, tp in rows],
+    )
 
 
 @section(40, "Per-operator time (ONNX Runtime profiler)")
@@ -84,11 +93,31 @@ def op_profile(m: dict[str, Any], run_dir: Path) -> str | None:
         ax.set_xlabel("share of operator time (%)")
         ax.set_title(name)
         out.append(f"<h3>{html.escape(name)}</h3>" + png_img(fig, f"op time {name}"))
-        out.append(table(["op type", "total ms", "ms/run", "share", "nodes"],
-                         [[o["op_type"], o["total_ms"], o["mean_ms_per_run"], f"{o['share']:.1%}", o["count"]] for o in ops]))
+        out.append(
+            table(
+                ["op type", "total ms", "ms/run", "share", "nodes"],
+                [
+                    [
+                        o["op_type"],
+                        o["total_ms"],
+                        o["mean_ms_per_run"],
+                        f"{o['share']:.1%}",
+                        o["count"],
+                    ]
+                    for o in ops
+                ],
+            )
+        )
         nodes = prof.get("by_node", [])[:15]
-        out.append(table(["node", "op type", "ms/run", "share"],
-                         [[n["node"], n["op_type"], n["mean_ms_per_run"], f"{n['share']:.1%}"] for n in nodes]))
+        out.append(
+            table(
+                ["node", "op type", "ms/run", "share"],
+                [
+                    [n["node"], n["op_type"], n["mean_ms_per_run"], f"{n['share']:.1%}"]
+                    for n in nodes
+                ],
+            )
+        )
     return "".join(out)
 
 
@@ -101,8 +130,17 @@ def weights(m: dict[str, Any], run_dir: Path) -> str | None:
     if isinstance(layers, dict):
         layers = [{"name": k, **v} for k, v in layers.items()]
     layers = sorted(layers, key=lambda r: -float(r.get("outlier_share", 0)))[:20]
-    rows = [[r.get("name"), r.get("min"), r.get("max"), r.get("std"), r.get("absmax_over_std"),
-             f"{float(r.get('outlier_share', 0)):.4%}"] for r in layers]
+    rows = [
+        [
+            r.get("name"),
+            r.get("min"),
+            r.get("max"),
+            r.get("std"),
+            r.get("absmax_over_std"),
+            f"{float(r.get('outlier_share', 0)):.4%}",
+        ]
+        for r in layers
+    ]
     rec = dist.get("recommendation") if isinstance(dist, dict) else None
     note = f"<p>Calibration recommendation: <b>{html.escape(str(rec))}</b></p>" if rec else ""
     return note + table(["tensor", "min", "max", "std", "absmax/std", "beyond 6 std"], rows)

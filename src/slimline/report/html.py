@@ -34,7 +34,11 @@ def table(headers: list[str], rows: list[list[Any]], row_class: list[str] | None
     body = []
     for i, r in enumerate(rows):
         cls = f' class="{row_class[i]}"' if row_class else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{c if isinstance(c, str) else fmt(c)}</td>" for c in r) + "</tr>")
+        body.append(
+            f"<tr{cls}>"
+            + "".join(f"<td>{c if isinstance(c, str) else fmt(c)}</td>" for c in r)
+            + "</tr>"
+        )
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
@@ -46,8 +50,21 @@ def _base_p50(manifest: dict[str, Any]) -> float | None:
 
 
 def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    headers = ["candidate", "step", "kept", "p50 ms", "p50 band", "p99 ms", "x fp32-onnx",
-               "thr/s (max batch)", "RSS MB", "size MB", "metric", "cosine", "top-1 agr."]
+    headers = [
+        "candidate",
+        "step",
+        "kept",
+        "p50 ms",
+        "p50 band",
+        "p99 ms",
+        "x fp32-onnx",
+        "thr/s (max batch)",
+        "RSS MB",
+        "size MB",
+        "metric",
+        "cosine",
+        "top-1 agr.",
+    ]
     base = _base_p50(manifest)
     rows = []
     for c in manifest["candidates"]:
@@ -57,14 +74,23 @@ def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         band = lat.get("band")
         ratio = lat["p50"] / base if base and lat.get("p50") else None
         size = c.get("size_bytes")
-        rows.append([
-            c["name"], c["step"], "yes" if c.get("accepted") else "no", lat.get("p50"),
-            f"{band[0]:.3f}-{band[1]:.3f}" if band else "-", lat.get("p99"),
-            f"{ratio:.2f}x" if ratio else "-",
-            tp[max(tp, key=int)] if tp else None, c.get("peak_rss_mb"),
-            size / 1e6 if size else None, (c.get("metric") or {}).get("value"),
-            fid.get("cosine_mean"), fid.get("top1_agreement"),
-        ])
+        rows.append(
+            [
+                c["name"],
+                c["step"],
+                "yes" if c.get("accepted") else "no",
+                lat.get("p50"),
+                f"{band[0]:.3f}-{band[1]:.3f}" if band else "-",
+                lat.get("p99"),
+                f"{ratio:.2f}x" if ratio else "-",
+                tp[max(tp, key=int)] if tp else None,
+                c.get("peak_rss_mb"),
+                size / 1e6 if size else None,
+                (c.get("metric") or {}).get("value"),
+                fid.get("cosine_mean"),
+                fid.get("top1_agreement"),
+            ]
+        )
     return headers, rows
 
 
@@ -73,7 +99,13 @@ def summary_table(manifest: dict[str, Any]) -> str:
     headers, rows = summary_rows(manifest)
     cells = [headers] + [[fmt(v, 3) if not isinstance(v, str) else v for v in r] for r in rows]
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))) for r in cells]
+    lines = [
+        "  ".join(
+            str(v).rjust(w) if i else str(v).ljust(w)
+            for i, (v, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     sel = manifest.get("selected")
     lines.append(f"selected: {sel}   status: {manifest.get('status')}")
@@ -88,8 +120,10 @@ def write_report(run_dir: Path) -> Path:
         body = fn(manifest, run_dir)
         if body:
             parts.append(f"<h2>{html.escape(title)}</h2>\n{body}")
-    doc = (f"<!doctype html><html><head><meta charset='utf-8'><title>slimline report</title>"
-           f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>")
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>slimline report</title>"
+        f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
     out = run_dir / "report.html"
     atomic_write_text(out, doc)
     return out

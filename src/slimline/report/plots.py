@@ -9,9 +9,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-__all__ = ["figure", "png_img", "plt"]
+__all__ = ["figure", "plt", "png_img"]
 
 
 def figure(width: float = 7.0, height: float = 3.6) -> tuple[Any, Any]:
