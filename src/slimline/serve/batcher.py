@@ -16,7 +16,9 @@ reaches every request in it; the model must return one result row per input row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import itertools
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -286,10 +288,8 @@ class DynamicBatcher:
                 if wait <= 0 or self._closing:
                     break
                 self._arrived.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._arrived.wait(), wait)
-                except TimeoutError:
-                    pass
             if first.state is _State.QUEUED:
                 return self._take(self._select(first)[0])
 
@@ -363,7 +363,4 @@ class DynamicBatcher:
                     "must return one result per input row"
                 )
         bounds = np.cumsum([0, *rows])
-        return [
-            {k: v[a:b] for k, v in out.items()}
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        ]
+        return [{k: v[a:b] for k, v in out.items()} for a, b in itertools.pairwise(bounds)]

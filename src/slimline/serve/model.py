@@ -23,6 +23,7 @@ from ..errors import ManifestError, ModelFileError, ServeError
 __all__ = [
     "FakeBackend",
     "InferenceBackend",
+    "ModelInputError",
     "OrtBackend",
     "ServedModel",
     "TensorSpec",
@@ -56,11 +57,16 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int | None, ...]
+    dim_names: tuple[str | None, ...] = ()  # symbolic names; inputs sharing one must agree
 
     @property
     def batch_dim(self) -> int | None:
         """The leading dimension: ``None`` when free (batchable), else its fixed size."""
         return self.shape[0] if self.shape else None
+
+
+class ModelInputError(ValueError):
+    """The runtime refused inputs that passed metadata checks (e.g. unequal sequence lengths)."""
 
 
 class InferenceBackend(Protocol):
@@ -88,7 +94,13 @@ class OrtBackend:
         self._output_names = [o.name for o in self.outputs]
 
     def run(self, inputs: Tensors) -> Tensors:
-        values = self.session.run(self._output_names, inputs)
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+        try:
+            values = self.session.run(self._output_names, inputs)
+        except InvalidArgument as err:
+            first = str(err).strip().splitlines()[0][:300]
+            raise ModelInputError(first) from None
         return dict(zip(self._output_names, values, strict=True))
 
 
@@ -98,8 +110,10 @@ def _spec(arg: Any) -> TensorSpec:
             f"tensor {arg.name!r} has type {arg.type}, which the server cannot carry; "
             "serve a model with numeric or bool inputs and outputs"
         )
-    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in (arg.shape or []))
-    return TensorSpec(arg.name, _ORT_TO_NP[arg.type], shape)
+    dims = list(arg.shape or [])
+    shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in dims)
+    names = tuple(d if isinstance(d, str) and d else None for d in dims)
+    return TensorSpec(arg.name, _ORT_TO_NP[arg.type], shape, names)
 
 
 class FakeBackend:
@@ -151,7 +165,8 @@ class ServedModel:
         if self.batchable:
             return None
         dims = {s.batch_dim for s in self.backend.inputs if s.shape}
-        return int(next(iter(dims))) if len(dims) == 1 and None not in dims else 1
+        fixed = next(iter(dims)) if len(dims) == 1 else None
+        return fixed if fixed is not None else 1
 
 
 def resolve_model_path(path: Path) -> tuple[str, Path, dict[str, Any]]:

@@ -105,9 +105,7 @@ def test_requests_with_different_trailing_shapes_never_share_a_batch() -> None:
 
     async def main() -> None:
         b = DynamicBatcher(model, config(max_queue_delay_ms=20.0))
-        await asyncio.gather(
-            *(b.submit(request(1, float(i), width=3 + i % 2)) for i in range(10))
-        )
+        await asyncio.gather(*(b.submit(request(1, float(i), width=3 + i % 2)) for i in range(10)))
         await b.close()
 
     run(main)

@@ -1,0 +1,450 @@
+"""The HTTP server: KServe v2 endpoints over the dynamic batcher, as a FastAPI app.
+
+``build_app(models, settings)`` returns an ASGI app. Its lifespan creates one
+:class:`~slimline.serve.batcher.DynamicBatcher` per model, warms every batch size up (the server
+is live at once and ready after warm-up) and, at shutdown, drains every queue before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
+from pydantic import Field, SecretStr
+
+from .. import __version__
+from ..recipe import Config
+from .batcher import (
+    BatcherConfig,
+    DeadlineExceeded,
+    DynamicBatcher,
+    InferenceFailed,
+    InvalidRequest,
+    QueueFull,
+    ShuttingDown,
+)
+from .metrics import ServeMetrics
+from .model import ModelInputError, ServedModel
+from .protocol import (
+    HEADER_LENGTH,
+    ProtocolError,
+    check_requested_outputs,
+    decode_body,
+    encode_response,
+    model_metadata,
+    parse_infer_request,
+    validate_inputs,
+)
+from .schema import (
+    ErrorBody,
+    InferenceRequest,
+    InferenceResponse,
+    LiveBody,
+    ModelMetadata,
+    ReadyBody,
+    ServerMetadata,
+)
+
+__all__ = ["TIMEOUT_HEADER", "ServeSettings", "ServerState", "build_app"]
+
+log = logging.getLogger(__name__)
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+_ACCEPTED_TYPES = frozenset({"", "application/json", "application/octet-stream"})
+
+
+class ServeSettings(Config):
+    """Everything the server needs besides its models (the CLI builds one of these)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    batching: BatcherConfig = Field(default_factory=BatcherConfig)
+    threads: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads per batch")
+    api_token: SecretStr | None = None
+    max_body_bytes: int = Field(64 << 20, ge=1024)
+    allow_nonfinite: bool = False
+    drain_timeout_s: float = Field(30.0, gt=0.0)
+    processing_threads: int = Field(2, ge=1, le=64, description="pool for pre/post-processing")
+
+
+class ServerState:
+    """Models, their batchers and the readiness flags of one app."""
+
+    def __init__(self, models: list[ServedModel], settings: ServeSettings) -> None:
+        self.settings = settings
+        self.models = {m.name: m for m in models}
+        self.metrics = ServeMetrics(settings.batching.max_batch_size)
+        self.batchers: dict[str, DynamicBatcher] = {}
+        self.warm: set[str] = set()
+        self.warmup_error: str | None = None
+        self.draining = False
+        self.processing = ThreadPoolExecutor(settings.processing_threads, "pre-post")
+        self._warmup: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and len(self.warm) == len(self.models)
+
+    async def start(self) -> None:
+        for name, model in self.models.items():
+            cfg = self.settings.batching
+            fixed = model.fixed_batch()
+            if fixed is not None:
+                cfg = cfg.model_copy(update={"max_batch_size": fixed})
+            observer = self.metrics.add_model(name)
+            batcher = DynamicBatcher(
+                model.backend.run, cfg, stack=fixed is None, observer=observer, name=name
+            )
+            batcher.start()
+            self.batchers[name] = batcher
+        self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name, batcher in self.batchers.items():
+            model = self.models[name]
+            try:
+                for size in batcher.batch_sizes():
+                    await loop.run_in_executor(
+                        self.processing, model.backend.run, example_inputs(model, size)
+                    )
+            except Exception as err:
+                self.warmup_error = f"warm-up of model {name!r} failed: {err}"
+                log.error("%s", self.warmup_error)
+                return
+            self.warm.add(name)
+            log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())
+
+    async def stop(self) -> None:
+        """Refuse new work, answer everything queued, then release the pools."""
+        self.draining = True
+        if self._warmup is not None and not self._warmup.done():
+            self._warmup.cancel()
+        await asyncio.gather(*(b.close(drain=True) for b in self.batchers.values()))
+        self.processing.shutdown(wait=True)
+
+
+def example_inputs(model: ServedModel, batch: int) -> dict[str, np.ndarray]:
+    """Ones of each input's dtype; ``batch`` rows; free non-batch dimensions set to 1."""
+    out = {}
+    for spec in model.backend.inputs:
+        dims = [d if d is not None else 1 for d in spec.shape]
+        if model.batchable:
+            dims[0] = batch
+        out[spec.name] = np.ones(dims, dtype=spec.dtype)
+    return out
+
+
+# -- the app ------------------------------------------------------------------------------
+def build_app(models: list[ServedModel], settings: ServeSettings | None = None) -> FastAPI:
+    """A FastAPI app serving ``models``; run it with uvicorn (see :mod:`slimline.serve`)."""
+    settings = settings or ServeSettings()
+    if not models:
+        raise ValueError("build_app needs at least one model")
+    state = ServerState(models, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(
+        title="slimline inference server",
+        version=__version__,
+        description="Open Inference Protocol (KServe v2) with dynamic batching.",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.slimline = state
+    _add_health_routes(app, state)
+    _add_model_routes(app, state)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if settings.api_token is not None:
+        app.add_middleware(BearerAuth, token=settings.api_token.get_secret_value())
+    return app
+
+
+def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(doc, separators=(",", ":"))
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> Response:
+    return _json({"error": message}, status, headers)
+
+
+def _add_health_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v2", response_model=ServerMetadata, tags=["server"])
+    async def server_metadata() -> Response:
+        doc = {"name": "slimline", "version": __version__, "extensions": ["binary_tensor_data"]}
+        return _json(doc)
+
+    @app.get("/v2/health/live", response_model=LiveBody, tags=["health"])
+    async def live() -> Response:
+        return _json({"live": True})
+
+    @app.get(
+        "/v2/health/ready",
+        response_model=ReadyBody,
+        responses={503: {"model": ReadyBody}},
+        tags=["health"],
+    )
+    async def ready() -> Response:
+        return _json({"ready": state.ready}, 200 if state.ready else 503)
+
+    @app.get("/metrics", tags=["server"], response_class=Response)
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    errors: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
+
+    async def metadata(name: str, version: str | None = None) -> Response:
+        model, problem = _lookup(state, name, version)
+        return problem or _json(model_metadata(model))  # type: ignore[arg-type]
+
+    async def model_ready(name: str, version: str | None = None) -> Response:
+        _, problem = _lookup(state, name, version)
+        ok = problem is None and name in state.warm and not state.draining
+        return problem or _json({"ready": ok}, 200 if ok else 503)
+
+    async def infer(request: Request, name: str, version: str | None = None) -> Response:
+        return await _infer(state, request, name, version)
+
+    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        app.get(prefix, response_model=ModelMetadata, responses=errors, tags=["model"])(metadata)
+        app.get(
+            prefix + "/ready",
+            response_model=ReadyBody,
+            responses={**errors, 503: {"model": ReadyBody}},
+            tags=["model"],
+        )(model_ready)
+        app.post(
+            prefix + "/infer",
+            response_model=InferenceResponse,
+            responses={
+                **errors,
+                400: {"model": ErrorBody},
+                413: {"model": ErrorBody},
+                415: {"model": ErrorBody},
+                503: {"model": ErrorBody},
+                504: {"model": ErrorBody},
+            },
+            openapi_extra={"requestBody": _INFER_BODY},
+            tags=["model"],
+        )(infer)
+
+
+def _lookup(
+    state: ServerState, name: str, version: str | None
+) -> tuple[ServedModel | None, Response | None]:
+    model = state.models.get(name)
+    if model is None:
+        served = ", ".join(sorted(state.models))
+        return None, _error(f"unknown model {name!r}; this server serves: {served}", 404)
+    if version is not None and version != model.version:
+        return None, _error(
+            f"model {name!r} has no version {version!r}; the served version is {model.version!r}",
+            404,
+        )
+    return model, None
+
+
+# -- inference ----------------------------------------------------------------------------
+async def _infer(state: ServerState, request: Request, name: str, version: str | None) -> Response:
+    model, problem = _lookup(state, name, version)
+    if problem is not None:
+        return problem
+    assert model is not None
+    started = time.perf_counter()
+    inflight = state.metrics.inflight.labels(name)
+    inflight.inc()
+    outcome = "error"
+    try:
+        response, outcome = await _answer(state, model, request)
+        if outcome == "ok":
+            state.metrics.latency.labels(name).observe(time.perf_counter() - started)
+        return response
+    finally:
+        inflight.dec()
+        state.metrics.requests.labels(name, outcome).inc()
+
+
+async def _answer(state: ServerState, model: ServedModel, request: Request) -> tuple[Response, str]:
+    """The response and its outcome label; every failure mode maps to one status here."""
+    try:
+        return await _run_request(state, model, request), "ok"
+    except ProtocolError as err:
+        return _error(str(err), err.status), "bad_request"
+    except InvalidRequest as err:
+        return _error(str(err), 400), "bad_request"
+    except (QueueFull, ShuttingDown) as err:
+        return _error(str(err), 503, {"Retry-After": "1"}), "rejected"
+    except DeadlineExceeded as err:
+        return _error(str(err), 504), "timeout"
+    except InferenceFailed as err:
+        if isinstance(err.__cause__, ModelInputError):
+            return _error(f"model {model.name!r} rejected the inputs: {err.__cause__}", 400), (
+                "bad_request"
+            )
+        log.error("%s", err)
+        return _error(str(err), 500), "error"
+    except Exception:
+        log.exception("unexpected failure serving model %s", model.name)
+        return _error(f"internal error serving model {model.name!r}; see the server log", 500), (
+            "error"
+        )
+
+
+async def _run_request(state: ServerState, model: ServedModel, request: Request) -> Response:
+    settings = state.settings
+    timeout_s = _header_timeout(request.headers.get(TIMEOUT_HEADER))
+    body = await _read_body(request, settings.max_body_bytes)
+    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+    check_requested_outputs(model, req)
+    inputs = req.inputs
+    if model.preprocess is not None:
+        inputs = await _in_pool(state, model.preprocess, inputs)
+    batcher = state.batchers[model.name]
+    validate_inputs(
+        model,
+        inputs,
+        max_batch=batcher.config.max_batch_size,
+        allow_nonfinite=settings.allow_nonfinite,
+    )
+    outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
+    if model.postprocess is not None:
+        outputs = await _in_pool(state, model.postprocess, outputs)
+    body_out, headers = encode_response(model, req, outputs)
+    return Response(body_out, 200, headers=headers)
+
+
+async def _in_pool(state: ServerState, fn: Callable[[Any], Any], arg: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(state.processing, fn, arg)
+
+
+def _header_timeout(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 < ms <= 3_600_000.0:
+        raise ProtocolError(f"{TIMEOUT_HEADER} is {value!r}; give milliseconds in (0, 3600000]")
+    return ms / 1000.0
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in _ACCEPTED_TYPES:
+        raise ProtocolError(
+            f"content type {ctype!r} is not accepted; send application/json (or "
+            f"application/octet-stream with {HEADER_LENGTH})",
+            415,
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"the body is {declared} bytes, above the {limit}-byte limit", 413)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(f"the body exceeds the {limit}-byte limit; send less", 413)
+        chunks.append(chunk)
+    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
+
+
+# -- auth ---------------------------------------------------------------------------------
+class BearerAuth:
+    """ASGI middleware: every path but the health probes needs ``Authorization: Bearer``.
+
+    The token is compared with :func:`hmac.compare_digest`, in constant time.
+    """
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any
+    ) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = b""
+            for key, value in scope["headers"]:
+                if key == b"authorization" and value[:7].lower() == b"bearer ":
+                    given = value[7:].strip()
+            if not hmac.compare_digest(given, self.token):
+                await _send_401(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _send_401(send: Any) -> None:
+    body = b'{"error":"missing or wrong API token; send Authorization: Bearer <token>"}'
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b"Bearer"),
+    ]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- OpenAPI ------------------------------------------------------------------------------
+_INFER_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/InferenceRequest"}},
+        "application/octet-stream": {
+            "schema": {"type": "string", "format": "binary"},
+            "description": f"JSON header of {HEADER_LENGTH} bytes, then raw tensor bytes",
+        },
+    },
+}
+
+
+_TIMEOUT_PARAM = {
+    "name": TIMEOUT_HEADER,
+    "in": "header",
+    "required": False,
+    "schema": {"type": "number", "exclusiveMinimum": 0},
+    "description": "deadline of this request in milliseconds (default: the server's)",
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description,
+                          routes=app.routes)  # fmt: skip
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        req = InferenceRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(req.pop("$defs", {}))
+        schemas["InferenceRequest"] = req
+        for path in doc["paths"].values():
+            if "post" in path:
+                path["post"].setdefault("parameters", []).append(_TIMEOUT_PARAM)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def default_threads(instances: int) -> int:
+    """Intra-op threads per batch so that ``instances`` batches share the cores."""
+    return max(1, (os.cpu_count() or 1) // instances)

@@ -1,0 +1,126 @@
+"""``slimline serve RUN_DIR_OR_ONNX [MORE ...]``: the command-line face of the server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from ..errors import ServeError, SlimlineError
+from .app import ServeSettings, default_threads
+from .batcher import BatcherConfig
+
+__all__ = ["main", "register", "settings_from_args"]
+
+TOKEN_ENV = "SLIMLINE_API_TOKEN"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve models over KServe v2 HTTP with dynamic batching",
+        description="Serve a run's selected candidate (under the task's name) or .onnx files "
+        "(under their file stems) on the Open Inference Protocol (KServe v2).",
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = BatcherConfig()
+    p.add_argument(
+        "models", nargs="+", metavar="RUN_DIR_OR_ONNX", help="run directories or .onnx files"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="rows per batch")
+    p.add_argument("--max-queue-delay-ms", type=float, default=d.max_queue_delay_ms,
+                   help="longest wait for a batch to fill")  # fmt: skip
+    p.add_argument("--max-queue-size", type=int, default=d.max_queue_size,
+                   help="queued requests per model; more are rejected with 503")  # fmt: skip
+    p.add_argument("--timeout-ms", type=float, default=d.timeout_ms,
+                   help="default request deadline (per request: X-Request-Timeout-Ms header)")  # fmt: skip
+    p.add_argument("--instances", type=int, default=d.instances, help="batches run at once")
+    p.add_argument("--threads", type=int, default=None,
+                   help="ONNX Runtime threads per batch (default: cores / instances)")  # fmt: skip
+    p.add_argument("--api-token-file", type=Path, default=None,
+                   help=f"require Authorization: Bearer <token in this file> (or set ${TOKEN_ENV})")  # fmt: skip
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="request body limit in MiB")
+    p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf inputs")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="longest graceful drain after SIGTERM")  # fmt: skip
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local: this process; ray: a Ray Serve application")  # fmt: skip
+    p.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (--backend ray)")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    token = _token(args.api_token_file)
+    try:
+        batching = BatcherConfig(
+            max_batch_size=args.max_batch_size,
+            max_queue_delay_ms=args.max_queue_delay_ms,
+            max_queue_size=args.max_queue_size,
+            timeout_ms=args.timeout_ms,
+            instances=args.instances,
+        )
+        return ServeSettings(
+            host=args.host,
+            port=args.port,
+            batching=batching,
+            threads=args.threads or default_threads(args.instances),
+            api_token=SecretStr(token) if token else None,
+            max_body_bytes=int(args.max_body_mb * (1 << 20)),
+            allow_nonfinite=args.allow_nonfinite,
+            drain_timeout_s=args.drain_timeout_s,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ServeError(f"serve option {where}: {first['msg']}; fix the flag") from None
+
+
+def _token(path: Path | None) -> str | None:
+    if path is not None:
+        if not path.is_file():
+            raise ServeError(f"API token file {path} does not exist; create it or drop the flag")
+        token = path.read_text().strip()
+        if not token:
+            raise ServeError(f"API token file {path} is empty; put the token in it")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if args.backend == "ray":
+        from .ray import serve_on_ray
+
+        serve_on_ray([Path(m) for m in args.models], settings, replicas=args.replicas)
+        return 0
+    from .model import load_served_models
+    from .server import serve_forever
+
+    models = load_served_models([Path(m) for m in args.models], settings.threads)
+    serve_forever(models, settings)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slimline.serve``: the serve command alone."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="slimline serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except SlimlineError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code

@@ -1,0 +1,175 @@
+"""Running the app: in the foreground (the CLI), in a thread, or in a child process.
+
+All three bind the socket first, so port 0 gives a free port and the URL is known before the
+first request. SIGTERM (and Ctrl-C) make the foreground server refuse new connections and turn
+``/v2/health/ready`` to 503 at once, answer every accepted request (uvicorn waits for open
+requests; the lifespan shutdown drains each batcher's queue), then exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+import uvicorn
+
+from ..errors import ServeError
+from .app import ServerState, ServeSettings, build_app
+from .model import ServedModel
+
+__all__ = ["bind_socket", "run_in_subprocess", "run_in_thread", "serve_forever"]
+
+log = logging.getLogger(__name__)
+READY_LINE = "slimline serve: listening on "
+TOKEN_ENV = "SLIMLINE_API_TOKEN"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, marking the app as draining the moment a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ServeError(
+            f"cannot listen on {host}:{port} ({err.strerror}); choose another --port or --host"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _server(models: list[ServedModel], settings: ServeSettings) -> _Server:
+    app = build_app(models, settings)
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        timeout_keep_alive=30,
+    )
+    return _Server(config, app.state.slimline)
+
+
+def serve_forever(models: list[ServedModel], settings: ServeSettings) -> None:
+    """Serve in the foreground until SIGTERM or SIGINT; prints the URL when listening."""
+    sock = bind_socket(settings.host, settings.port)
+    server = _server(models, settings)
+    print(READY_LINE + _url(sock), flush=True)
+    server.run(sockets=[sock])
+
+
+@contextmanager
+def run_in_thread(
+    models: list[ServedModel], settings: ServeSettings | None = None, *, ready_timeout_s: float = 60
+) -> Iterator[str]:
+    """Serve from a background thread of this process; yields the base URL once ready."""
+    settings = settings or ServeSettings(port=0)
+    sock = bind_socket(settings.host, settings.port)
+    server = _server(models, settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        _wait_ready(lambda: server.state.ready, lambda: not thread.is_alive(), ready_timeout_s,
+                    server.state)  # fmt: skip
+        yield _url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=settings.drain_timeout_s + 5)
+        sock.close()
+
+
+def _wait_ready(ready: Any, dead: Any, timeout_s: float, state: ServerState | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if state is not None and state.warmup_error:
+            raise ServeError(state.warmup_error)
+        if dead():
+            raise ServeError("the server stopped during start-up; see its log")
+        if time.monotonic() > deadline:
+            raise ServeError(f"the server was not ready within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+@contextmanager
+def run_in_subprocess(
+    paths: Sequence[str | Path], args: Sequence[str] = (), *, ready_timeout_s: float = 120,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:  # fmt: skip
+    """``python -m slimline.serve PATHS --port 0 ARGS`` in a child; yields (URL, process).
+
+    On exit the child gets SIGTERM and is waited for (it drains first).
+    """
+    cmd = [sys.executable, "-m", "slimline.serve", *map(str, paths), "--port", "0", *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
+    try:
+        url = _read_url(proc)
+        token = _token_from(args) or (env or {}).get(TOKEN_ENV) or os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/v2/health/ready", headers=headers, timeout=2).is_success
+            except httpx.HTTPError:
+                return False
+
+        _wait_ready(ready, lambda: proc.poll() is not None, ready_timeout_s)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _read_url(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(READY_LINE):
+            return line[len(READY_LINE) :].strip()
+    raise ServeError(f"the server exited with status {proc.wait()} before listening; see stderr")
+
+
+def _token_from(args: Sequence[str]) -> str | None:
+    args = list(args)
+    if "--api-token-file" in args:
+        return Path(args[args.index("--api-token-file") + 1]).read_text().strip()
+    return None
