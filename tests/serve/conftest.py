@@ -97,6 +97,12 @@ def write_run_dir(root: Path, task: str = "tiny", selected: str = "quantize") ->
     return run
 
 
+@pytest.fixture
+def make_run_dir() -> Callable[..., Path]:
+    """``make_run_dir(root, task=..., selected=...)``: a run directory as the pipeline writes."""
+    return write_run_dir
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("serve-models")
@@ -104,3 +110,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     linear_model(d / "fixed.onnx", batch=2)
     token_model(d / "tokens.onnx")
     return d
+
+
+@pytest.fixture(scope="session")
+def slow_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of about 25 ms a row on one thread (x FP32 [N, 1024] -> y FP32 [N])."""
+    return slow_model(tmp_path_factory.mktemp("slow") / "slow.onnx", layers=120)
+
+
+def slow_model(path: Path, layers: int = 40, width: int = 1024) -> Path:
+    """x FP32 [N, width] through ``layers`` MatMuls (40: about 8 ms a row on one thread)."""
+    rng = np.random.default_rng(0)
+    w = (rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", "W"], [f"h{i + 1}"])
+        for i in range(layers)
+    ]
+    nodes.append(helper.make_node("ReduceMean", [f"h{layers}"], ["y"], axes=[1], keepdims=0))
+    graph = helper.make_graph(
+        nodes,
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+        initializer=[numpy_helper.from_array(w, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return save(model, path)

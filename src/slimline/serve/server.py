@@ -46,6 +46,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # a finished drain is a clean exit (status 0), not a kill
+            self._captured_signals.remove(sig)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
