@@ -57,7 +57,7 @@ def test_run_dir_serves_its_selected_candidate_under_the_task_name(
 
 
 def test_broken_run_dirs_say_what_to_do(tmp_path: Path) -> None:
-    with pytest.raises(ManifestError, match="no manifest.json"):
+    with pytest.raises(ManifestError, match=r"no manifest\.json"):
         resolve_model_path(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps({"selected": "x", "task": {}}))
     with pytest.raises(ManifestError, match="selected candidate"):
