@@ -1,0 +1,207 @@
+"""The generator against a real HTTP server whose service time is known (the stub v2 server)."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from slimline.errors import LoadTestError
+from slimline.loadtest import cli as lt_cli
+from slimline.loadtest.payload import build_payloads
+from slimline.loadtest.run import LoadTestConfig, run_loadtest
+from slimline.loadtest.stubserver import stub_server
+
+PAYLOADS = build_payloads({"x": np.random.default_rng(0).random((32, 4), dtype=np.float32)}, "json")
+
+
+def _true_ms(url: str) -> np.ndarray:
+    return np.array(httpx.get(f"{url}/stub/timings").json())
+
+
+def _reference_ms(url: str, n: int) -> np.ndarray:
+    """The true round trip: one blocking request at a time, the simplest client there is."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    for i in range(n):
+        p = PAYLOADS[i % len(PAYLOADS)]
+        t = time.monotonic()
+        conn.request("POST", "/v2/models/stub/infer", body=p.body, headers=p.headers)
+        conn.getresponse().read()
+        out.append((time.monotonic() - t) * 1e3)
+    conn.close()
+    return np.array(out)
+
+
+def _accuracy_attempt(url: str) -> tuple[dict, np.ndarray, np.ndarray]:
+    reference = _reference_ms(url, 200)
+    _true_ms(url)  # clear the server's record
+    cfg = LoadTestConfig(
+        url=url,
+        model="stub",
+        rate=100.0,
+        duration_s=4.0,
+        warmup_s=1.0,
+        arrival="constant",
+        processes=1,
+    )
+    return run_loadtest(cfg, payloads=PAYLOADS), reference, _true_ms(url)
+
+
+def test_generator_accuracy_against_a_known_delay() -> None:
+    """p50 and p99 within 1 ms of the truth; achieved rate within 2% of offered.
+
+    The server sleeps 10 ms per request (its own record confirms it). The true latency is what
+    the simplest client, one blocking request at a time, measures on the same server: delay plus
+    the machine's round trip. The open-loop generator adds its schedule lag and its concurrency
+    on top; that is its error. The test machine is shared, so a run can be disturbed by another
+    process: up to three attempts are made, and every figure must hold in the same attempt.
+    """
+    errors = []
+    with stub_server("--delay-ms", "10") as url:
+        for _ in range(3):
+            res, reference, server = _accuracy_attempt(url)
+            d50 = res["latency_ms"]["p50"] - np.percentile(reference, 50)
+            d99 = res["latency_ms"]["p99"] - np.percentile(reference, 99)
+            rate_err = res["achieved_rate"] / res["offered_rate"] - 1.0
+            errors.append((round(d50, 3), round(d99, 3), round(rate_err, 4)))
+            if abs(d50) <= 1.0 and abs(d99) <= 1.0 and abs(rate_err) <= 0.02:
+                break
+    assert res["valid"] and res["outcomes"]["ok"] == res["requests"] == 400
+    assert 9.95 < np.percentile(server, 50) < 11.5, "the stub's own delay is off"
+    assert abs(d50) <= 1.0 and abs(d99) <= 1.0 and abs(rate_err) <= 0.02, errors
+
+
+def test_stall_shows_in_open_loop_p99_and_hides_in_closed_loop() -> None:
+    """A one-at-a-time server stalls once for 1 s (coordinated omission, over HTTP)."""
+    with stub_server(
+        "--delay-ms", "5", "--serial", "--stall-ms", "1000", "--stall-after", "100"
+    ) as url:
+        open_res = run_loadtest(
+            LoadTestConfig(
+                url=url,
+                model="stub",
+                rate=50.0,
+                duration_s=4.0,
+                warmup_s=0.5,
+                arrival="constant",
+                processes=1,
+            ),
+            payloads=PAYLOADS,
+        )
+    with stub_server(
+        "--delay-ms", "5", "--serial", "--stall-ms", "1000", "--stall-after", "300"
+    ) as url:
+        closed_res = run_loadtest(
+            LoadTestConfig(url=url, model="stub", concurrency=1, duration_s=4.0, warmup_s=0.5),
+            payloads=PAYLOADS,
+        )
+    assert open_res["latency_ms"]["max"] > 950.0 and open_res["latency_ms"]["p99"] > 800.0
+    assert closed_res["latency_ms"]["max"] > 950.0 and closed_res["latency_ms"]["p99"] < 50.0
+
+
+def test_binary_encoding_and_two_processes_share_one_schedule() -> None:
+    payloads = build_payloads({"x": np.ones((8, 4), np.float32)}, "binary")
+    with stub_server("--delay-ms", "2") as url:
+        res = run_loadtest(
+            LoadTestConfig(
+                url=url,
+                model="stub",
+                rate=200.0,
+                duration_s=1.5,
+                warmup_s=0.5,
+                encoding="binary",
+                processes=2,
+            ),
+            payloads=payloads,
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    assert res["config"]["processes"] == 2
+    assert res["outcomes"]["ok"] == res["requests"] > 200
+    assert res["schedule_lag_ms"]["p50"] < 5.0
+    assert 'stub_requests_total{model="stub",outcome="ok"}' in metrics
+
+
+def test_unreachable_url_unknown_model_and_bad_trace_fail_before_the_run(tmp_path: Path) -> None:
+    cfg = LoadTestConfig(url="http://127.0.0.1:1", model="stub", rate=10.0, duration_s=1.0)
+    with pytest.raises(LoadTestError, match=r"cannot reach http://127\.0\.0\.1:1"):
+        run_loadtest(cfg, payloads=PAYLOADS)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0.5}\n{"t": 0.1}\n')
+    with stub_server("--delay-ms", "1") as url:
+        with pytest.raises(LoadTestError, match="has no model 'nope'"):
+            run_loadtest(
+                LoadTestConfig(url=url, model="nope", rate=10.0, duration_s=1.0), payloads=PAYLOADS
+            )
+        with pytest.raises(LoadTestError, match="comes before row 1"):
+            run_loadtest(
+                LoadTestConfig(url=url, model="stub", replay=str(trace)), payloads=PAYLOADS
+            )
+        wrong = build_payloads({"y": np.ones((2, 4), np.float32)}, "json")
+        with pytest.raises(LoadTestError, match="takes inputs \\['x'\\]"):
+            run_loadtest(
+                LoadTestConfig(url=url, model="stub", rate=10.0, duration_s=1.0), payloads=wrong
+            )
+        assert len(_true_ms(url)) == 0  # not one infer request reached the server
+
+
+def test_replay_sends_the_trace_scaled_by_speed(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    times = np.cumsum(np.full(60, 0.02))
+    trace.write_text("t\n" + "\n".join(f"{t:.3f}" for t in times) + "\n")
+    with stub_server("--delay-ms", "1") as url:
+        res = run_loadtest(
+            LoadTestConfig(url=url, model="stub", replay=str(trace), speed=2.0, warmup_s=0.1),
+            payloads=PAYLOADS,
+        )
+    assert res["offered_rate"] == pytest.approx(100.0, rel=0.05)  # 50/s recorded, played 2x
+    assert res["outcomes"]["ok"] == res["requests"] >= 45
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    lt_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_cli_writes_the_result_json(tmp_path: Path) -> None:
+    npz = tmp_path / "samples.npz"
+    np.savez(npz, x=np.ones((4, 4), np.float32))
+    out = tmp_path / "lt.json"
+    with stub_server("--delay-ms", "1") as url:
+        code = _cli(
+            [
+                "loadtest",
+                url,
+                "--model",
+                "stub",
+                "--inputs",
+                str(npz),
+                "--rate",
+                "50",
+                "--duration",
+                "1",
+                "--warmup",
+                "0.2",
+                "--out",
+                str(out),
+            ]
+        )
+    doc = json.loads(out.read_text())
+    assert code == 0 and doc["kind"] == "loadtest" and doc["partial"] is False
+    assert set(doc["latency_ms"]) >= {"p50", "p95", "p99", "p999", "max"}
+    assert {"offered_rate", "achieved_rate", "outcomes", "schedule_lag_ms"} <= set(doc)
+    assert "token" not in doc["config"]
+    with pytest.raises(LoadTestError, match="exactly one of --rate"):
+        _cli(["loadtest", url, "--model", "stub", "--inputs", str(npz)])
