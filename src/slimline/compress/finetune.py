@@ -1,0 +1,329 @@
+"""Fine-tuning by distillation from a frozen teacher, reusable by pruning recovery and QAT.
+
+The student learns the teacher's outputs: KL divergence on temperature-softened logits (plus the
+task loss where labels exist) for classifiers, cosine or MSE on the output vectors otherwise (for
+example sentence embeddings learned from unlabelled text). The first ``val_batches`` batches of the
+data are held out; every ``eval_every`` steps the distillation loss on them decides early stopping,
+and the best weights seen are the ones kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..errors import DataError
+from ..recipe import Config
+from ..task import Task
+
+__all__ = [
+    "FinetuneConfig",
+    "FinetuneResult",
+    "accumulate_gradients",
+    "distill",
+    "distill_loss",
+    "resolve_data",
+    "to_tensors",
+]
+
+Batches = Callable[[], Iterable[tuple[dict[str, np.ndarray], Any]]]
+DEFAULT_BASE_LR = 1e-3  # Adam-style learning rate assumed when the task names none
+
+
+class FinetuneConfig(Config):
+    steps: int = Field(200, ge=0, description="max optimizer steps per fine-tuning run")
+    lr: float | None = Field(None, gt=0.0, description="absolute learning rate; overrides lr_scale")
+    lr_scale: float = Field(
+        0.1, gt=0.0, le=1.0, description="x the task's LEARNING_RATE (or 1e-3) when lr is unset"
+    )
+    temperature: float = Field(4.0, gt=0.0, description="softmax temperature for logits KD")
+    alpha: float = Field(
+        0.7, ge=0.0, le=1.0, description="weight of distillation vs task loss where labels exist"
+    )
+    embedding_loss: Literal["cosine", "mse"] = "cosine"
+    eval_every: int = Field(50, ge=1, description="steps between held-out evaluations")
+    patience: int = Field(2, ge=1, description="evaluations without gain before stopping")
+    min_delta: float = Field(1e-4, ge=0.0, description="relative gain that counts as a gain")
+    val_batches: int = Field(4, ge=1, description="leading batches held out for early stopping")
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    data: Literal["auto", "train", "calibration"] = Field(
+        "auto", description="auto: train_data() if the task has it, else calibration inputs"
+    )
+    progress: bool = True
+
+
+@dataclass
+class FinetuneResult:
+    steps: int
+    lr: float
+    val_before: float
+    val_after: float
+    best_step: int
+    stopped_early: bool
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_data(task: Task, cfg: FinetuneConfig) -> tuple[Batches, str, str | None]:
+    """(batches, source, note): which data fine-tuning uses, and a note when it fell back."""
+    if cfg.data == "train" and task.train_data is None:
+        raise DataError(
+            f"task {task.name} has no train_data(), but fine-tuning asks for `data: train`; "
+            "define train_data() in the task, or set `data: calibration` to distil on "
+            "calibration inputs"
+        )
+    if cfg.data != "calibration" and task.train_data is not None:
+        return task.train_data, "train", None
+    calib = task.calibration_data
+
+    def unlabelled() -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+        for inputs in calib():
+            yield inputs, None
+
+    note = None
+    if cfg.data == "auto":
+        note = (
+            f"task {task.name} has no train_data(); fine-tuning distils from the FP32 teacher "
+            "on calibration inputs instead"
+        )
+    return unlabelled, "calibration", note
+
+
+def resolve_lr(task: Task | None, cfg: FinetuneConfig) -> float:
+    if cfg.lr is not None:
+        return cfg.lr
+    base = task.extra("LEARNING_RATE", DEFAULT_BASE_LR) if task is not None else DEFAULT_BASE_LR
+    return float(base) * cfg.lr_scale
+
+
+def to_tensors(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def distill_loss(
+    student_out: Any,
+    teacher_out: Any,
+    labels: Any,
+    output_kind: str,
+    cfg: FinetuneConfig,
+    task_loss: Callable[[Any, Any], Any] | None = None,
+) -> Any:
+    """Distillation loss of one batch (plus the task loss where labels exist)."""
+    import torch
+    import torch.nn.functional as F
+
+    s, t = student_out.float(), teacher_out.float().detach()
+    if output_kind == "logits":
+        temp = cfg.temperature
+        s2, t2 = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1])
+        kd = F.kl_div(
+            F.log_softmax(s2 / temp, -1),
+            F.log_softmax(t2 / temp, -1),
+            log_target=True,
+            reduction="batchmean",
+        ) * (temp * temp)
+    elif cfg.embedding_loss == "cosine":
+        kd = 1.0 - F.cosine_similarity(s.reshape(len(s), -1), t.reshape(len(t), -1), dim=1).mean()
+    else:
+        kd = F.mse_loss(s, t)
+    if labels is None:
+        return kd
+    lab = torch.as_tensor(np.asarray(labels))
+    if task_loss is not None:
+        return cfg.alpha * kd + (1.0 - cfg.alpha) * task_loss(student_out, lab)
+    if output_kind == "logits" and not lab.is_floating_point():
+        ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), lab.reshape(-1).long())
+        return cfg.alpha * kd + (1.0 - cfg.alpha) * ce
+    return kd
+
+
+def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+    """Cycle through ``batches()`` forever, skipping the first ``skip`` (held out)."""
+    while True:
+        seen = 0
+        for i, item in enumerate(batches()):
+            if i < skip:
+                continue
+            seen += 1
+            yield item
+        if seen == 0:
+            return
+
+
+def _split(batches: Batches, val_batches: int) -> tuple[list[Any], int]:
+    """Held-out batches and how many leading batches to skip when training."""
+    val: list[Any] = []
+    total = 0
+    for item in batches():
+        total += 1
+        if len(val) < val_batches:
+            val.append(item)
+        if total > val_batches:
+            break
+    if not val:
+        raise DataError(
+            "fine-tuning data yielded no batches; train_data()/calibration_data() is empty"
+        )
+    if total <= val_batches:  # too little data to hold any out: validate on what we train on
+        return val[: max(1, total // 2)], 0
+    return val, val_batches
+
+
+def _val_loss(
+    student: Any, teacher: Any, val: list[Any], output_kind: str, cfg: FinetuneConfig
+) -> float:
+    import torch
+
+    was_training = student.training
+    student.eval()
+    total = 0.0
+    with torch.no_grad():
+        for inputs, _ in val:
+            x = to_tensors(inputs)
+            total += float(
+                distill_loss(_first(student(**x)), _first(teacher(**x)), None, output_kind, cfg)
+            )
+    student.train(was_training)
+    return total / len(val)
+
+
+def distill(
+    student: Any,
+    teacher: Any,
+    batches: Batches,
+    cfg: FinetuneConfig,
+    *,
+    output_kind: str,
+    task: Task | None = None,
+    desc: str = "fine-tune",
+    on_step: Callable[[int, float], None] | None = None,
+) -> FinetuneResult:
+    """Fine-tune ``student`` in place to match ``teacher``; returns what happened.
+
+    ``batches()`` yields ``(inputs, labels or None)``; labels add the task loss (``task.loss`` if
+    defined, cross-entropy for integer labels on logits). The best held-out weights are kept.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    lr = resolve_lr(task, cfg)
+    teacher.eval()
+    val, skip = _split(batches, cfg.val_batches)
+    before = _val_loss(student, teacher, val, output_kind, cfg)
+    result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
+    if cfg.steps == 0:
+        return result
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
+    )
+    best, best_state, bad = before, copy.deepcopy(student.state_dict()), 0
+    task_loss = task.loss if task is not None else None
+    student.train()
+    bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, leave=False)
+    stream = _batch_stream(batches, skip)
+    running = 0.0
+    for step_i, (inputs, labels) in enumerate(stream, start=1):
+        x = to_tensors(inputs)
+        with torch.no_grad():
+            t_out = _first(teacher(**x))
+        loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        sched.step()
+        value = float(loss.detach())
+        running = value if step_i == 1 else 0.9 * running + 0.1 * value
+        bar.update(1)
+        bar.set_postfix(loss=f"{running:.4f}", best=f"{best:.4f}")
+        if on_step is not None:
+            on_step(step_i, value)
+        result.steps = step_i
+        if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
+            v = _val_loss(student, teacher, val, output_kind, cfg)
+            result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
+            if v < best * (1.0 - cfg.min_delta):
+                best, best_state, bad, result.best_step = (
+                    v,
+                    copy.deepcopy(student.state_dict()),
+                    0,
+                    step_i,
+                )
+            else:
+                bad += 1
+                if bad >= cfg.patience:
+                    result.stopped_early = step_i < cfg.steps
+                    break
+        if step_i >= cfg.steps:
+            break
+    bar.close()
+    student.load_state_dict(best_state)
+    student.eval()
+    result.val_after = best
+    return result
+
+
+def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Task | None) -> Any:
+    """A loss with a non-zero gradient at student == teacher, or ``None`` where there is none."""
+    import torch
+    import torch.nn.functional as F
+
+    if labels is not None:
+        lab = torch.as_tensor(np.asarray(labels))
+        if task is not None and task.loss is not None:
+            return task.loss(out, lab)
+        if output_kind == "logits" and not lab.is_floating_point():
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), lab.reshape(-1).long())
+    if output_kind == "logits":  # the teacher's own predictions as labels
+        return F.cross_entropy(
+            out.reshape(-1, out.shape[-1]), t_out.reshape(-1, t_out.shape[-1]).argmax(-1)
+        )
+    return None
+
+
+def accumulate_gradients(
+    model: Any,
+    teacher: Any,
+    batches: Batches,
+    n_batches: int,
+    *,
+    output_kind: str,
+    task: Task | None = None,
+) -> int:
+    """Run forward/backward on up to ``n_batches`` so ``.grad`` holds the summed loss gradients
+    (for first-order Taylor importance). Returns how many batches contributed; 0 means the data
+    carries no gradient signal (unlabelled, non-logit outputs) and Taylor importance is unusable."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    model.eval()  # gradients of the deployed (eval-mode) function, without dropout noise
+    used = 0
+    for inputs, labels in batches():
+        x = to_tensors(inputs)
+        with torch.no_grad():
+            t_out = _first(teacher(**x))
+        loss = _gradient_loss(_first(model(**x)), t_out, labels, output_kind, task)
+        if loss is None:
+            break
+        loss.backward()
+        used += 1
+        if used >= n_batches:
+            break
+    return used

@@ -1,0 +1,314 @@
+"""Sensitivity map: each prunable group pruned alone at several ratios, metric measured on a
+fixed evaluation subset.
+
+Every (group, ratio) job is independent, so the sweep runs on a process pool (spawned workers,
+one torch thread each) or, when the recipe names a cluster, on Ray actors
+(``ray.init(address=...)``). A job carries only the channel indices to remove: the importance
+ranking is computed once, in the parent, so workers do no gradient work and agree on the order.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import DataError, StepError
+from ...measure.quality import fidelity
+from ...task import Task, iter_rows
+from .graph import PruneGraph, apply_history, keep_units, prune_channels
+
+__all__ = ["Job", "SweepSpec", "build_jobs", "run_sweep", "table_losses"]
+
+log = logging.getLogger("slimline.prune")
+
+
+@dataclass(frozen=True)
+class Job:
+    group: str
+    keep: int
+    root: str  # layer whose output channels are removed
+    idxs: tuple[int, ...]
+
+
+@dataclass
+class SweepSpec:
+    """What a worker needs to rebuild the input model and the evaluation subset (picklable)."""
+
+    task_source: str
+    task_samples: str | None
+    history: list[list[Any]]  # applied to task.model() to get the input model's architecture
+    state: bytes  # torch.save of the input model's state_dict
+    eval_limit: int
+    threads: int = 1
+    example: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def build_jobs(
+    graph: PruneGraph, order: dict[str, list[int]], ratios: list[float], max_ratio: float
+) -> tuple[list[Job], dict[str, list[int]]]:
+    """Unique jobs (one per distinct kept count) and each group's kept count per ratio."""
+    jobs: list[Job] = []
+    keeps: dict[str, list[int]] = {}
+    for name, g in graph.groups.items():
+        keeps[name] = [keep_units(g.size, r, g.kind, graph.round_to, max_ratio) for r in ratios]
+        for keep in sorted(set(keeps[name]) - {g.size}, reverse=True):
+            root, idxs = graph.channels(name, order[name][: g.size - keep])
+            jobs.append(Job(name, keep, root, tuple(idxs)))
+    return jobs, keeps
+
+
+def _eval_batches(task: Task, limit: int) -> list[tuple[dict[str, np.ndarray], Any]]:
+    out: list[tuple[dict[str, np.ndarray], Any]] = []
+    seen = 0
+    for inputs, labels in task.eval_data():
+        n = len(next(iter(inputs.values())))
+        keep = min(n, limit - seen)
+        if keep < n:
+            inputs = next(iter_rows([inputs], keep))
+            labels = labels[:keep] if labels is not None else None
+        out.append((inputs, labels))
+        seen += keep
+        if seen >= limit:
+            break
+    if not out:
+        raise DataError(
+            f"task {task.name}: eval_data() yielded nothing; the sensitivity sweep needs it"
+        )
+    return out
+
+
+def _concat_labels(labels: list[Any]) -> Any:
+    if all(lab is None for lab in labels):
+        return None
+    try:
+        return np.concatenate([np.asarray(lab) for lab in labels])
+    except ValueError:
+        return labels
+
+
+class Evaluator:
+    """Prunes a copy of the model per job and measures metric and cosine on the subset."""
+
+    def __init__(self, model: Any, task: Task, limit: int, example: dict[str, Any]) -> None:
+        self.model = model.eval()
+        self.task = task
+        self.example = example
+        self.batches = _eval_batches(task, limit)
+        self.labels = _concat_labels([lab for _, lab in self.batches])
+        self.reference = self._outputs(self.model)
+        self.base_metric = float(task.metric(self.reference, self.labels))
+
+    def _outputs(self, model: Any) -> np.ndarray:
+        import torch
+
+        from ..finetune import to_tensors
+
+        outs = []
+        with torch.inference_mode():
+            for inputs, _ in self.batches:
+                out = model(**to_tensors(inputs))
+                out = out[0] if isinstance(out, (tuple, list)) else out
+                outs.append(out.detach().float().numpy())
+        return np.concatenate(outs)
+
+    def run(self, job: Job) -> dict[str, Any]:
+        model = copy.deepcopy(self.model)
+        prune_channels(model, self.example, job.root, list(job.idxs))
+        outputs = self._outputs(model.eval())
+        fid = fidelity(outputs, self.reference, self.task.output_kind == "logits")
+        return {
+            "group": job.group,
+            "keep": job.keep,
+            "metric": float(self.task.metric(outputs, self.labels)),
+            "cosine": float(fid["cosine_mean"] or 0.0),
+        }
+
+
+# -- worker side -------------------------------------------------------------------------------
+_WORKER: Evaluator | None = None
+
+
+def _rebuild(spec: SweepSpec) -> Evaluator:
+    import torch
+
+    from ...task import load_task
+    from ..finetune import to_tensors
+
+    torch.set_num_threads(spec.threads)
+    task = load_task(spec.task_source, spec.task_samples)
+    if task.model is None:
+        raise StepError(
+            f"task {task.name} has no model(); the sensitivity sweep needs a torch model"
+        )
+    example = to_tensors(spec.example)
+    model = apply_history(task.model().eval(), example, spec.history)
+    model.load_state_dict(torch.load(io.BytesIO(spec.state), weights_only=True))
+    return Evaluator(model, task, spec.eval_limit, example)
+
+
+def _init_worker(spec: SweepSpec) -> None:
+    global _WORKER
+    logging.getLogger("slimline").setLevel(logging.WARNING)
+    _WORKER = _rebuild(spec)
+
+
+def _run_job(job: Job) -> dict[str, Any]:
+    assert _WORKER is not None, "worker not initialised"
+    return _WORKER.run(job)
+
+
+class _RayWorker:
+    def __init__(self, spec: SweepSpec) -> None:
+        self.evaluator = _rebuild(spec)
+
+    def run(self, job: Job) -> dict[str, Any]:
+        return self.evaluator.run(job)
+
+
+# -- backends ----------------------------------------------------------------------------------
+def _sequential(
+    evaluator: Evaluator, jobs: list[Job], progress: Callable[[int], None]
+) -> list[dict[str, Any]]:
+    results = []
+    for job in jobs:
+        results.append(evaluator.run(job))
+        progress(1)
+    return results
+
+
+def _process_pool(
+    spec: SweepSpec, jobs: list[Job], workers: int, progress: Callable[[int], None]
+) -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    results = []
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(spec,),
+    ) as pool:
+        for res in pool.map(_run_job, jobs):
+            results.append(res)
+            progress(1)
+    return results
+
+
+def _ray(
+    spec: SweepSpec, jobs: list[Job], address: str, progress: Callable[[int], None]
+) -> list[dict[str, Any]]:
+    import ray
+    from ray.util import ActorPool
+
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    spec_ref = ray.put(spec)
+    actor_cls = ray.remote(num_cpus=1)(_RayWorker)
+    actors = [actor_cls.remote(spec_ref) for _ in range(max(1, min(cpus, len(jobs))))]
+    results = []
+    for res in ActorPool(actors).map_unordered(lambda a, j: a.run.remote(j), jobs):
+        results.append(res)
+        progress(1)
+    for a in actors:
+        ray.kill(a)  # type: ignore[arg-type]
+    return results
+
+
+def run_sweep(
+    graph: PruneGraph,
+    order: dict[str, list[int]],
+    evaluator: Evaluator,
+    *,
+    ratios: list[float],
+    max_ratio: float,
+    spec: SweepSpec | None,
+    workers: int,
+    ray_address: str | None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The layer x ratio table: metric and cosine of each group pruned alone at each ratio."""
+    from tqdm.auto import tqdm
+
+    jobs, keeps = build_jobs(graph, order, ratios, max_ratio)
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="sensitivity", disable=not progress, leave=False)
+    if ray_address:
+        if spec is None:
+            raise StepError(
+                "a Ray sweep needs a task loadable by its source (an example name or a .py file)"
+            )
+        backend = f"ray({ray_address})"
+        results = _ray(spec, jobs, ray_address, bar.update)
+    elif workers > 1 and spec is not None and len(jobs) > 1:
+        backend = f"process-pool({workers})"
+        results = _process_pool(spec, jobs, workers, bar.update)
+    else:
+        backend = "in-process"
+        results = _sequential(evaluator, jobs, bar.update)
+    bar.close()
+    return _table(
+        graph,
+        keeps,
+        results,
+        evaluator.base_metric,
+        ratios,
+        backend,
+        time.perf_counter() - start,
+        sum(len(next(iter(b.values()))) for b, _ in evaluator.batches),
+    )
+
+
+def _table(
+    graph: PruneGraph,
+    keeps: dict[str, list[int]],
+    results: Iterable[dict[str, Any]],
+    base: float,
+    ratios: list[float],
+    backend: str,
+    seconds: float,
+    samples: int,
+) -> dict[str, Any]:
+    by_key = {(r["group"], r["keep"]): r for r in results}
+    groups = {}
+    for name, g in graph.groups.items():
+        rows = [by_key.get((name, k), {"metric": base, "cosine": 1.0}) for k in keeps[name]]
+        groups[name] = {
+            "kind": g.kind,
+            "size": g.size,
+            "keep": keeps[name],
+            "metric": [round(r["metric"], 6) for r in rows],
+            "cosine": [round(r["cosine"], 6) for r in rows],
+        }
+    return {
+        "ratios": ratios,
+        "base_metric": base,
+        "samples": samples,
+        "backend": backend,
+        "seconds": round(seconds, 2),
+        "jobs": len(by_key),
+        "groups": groups,
+    }
+
+
+def table_losses(table: dict[str, Any], fidelity_weight: float) -> dict[str, list[float]]:
+    """Predicted loss per group and ratio: metric drop plus ``fidelity_weight`` x (1 - cosine),
+    made non-decreasing in the ratio (removing more never predicts less loss)."""
+    base = table["base_metric"]
+    out = {}
+    for name, row in table["groups"].items():
+        raw = [
+            max(0.0, base - m) + fidelity_weight * max(0.0, 1.0 - c)
+            for m, c in zip(row["metric"], row["cosine"], strict=True)
+        ]
+        out[name] = (
+            list(np.maximum.accumulate(np.asarray(raw, dtype=float)).tolist()) if raw else []
+        )
+    return out

@@ -1,0 +1,470 @@
+"""The ``prune`` step: sensitivity map -> plan -> rounds of pruning, each recovered by distillation.
+
+The step returns the pruned dense model and its verified ONNX export; the pipeline accepts it only
+if it is within budget and measurably faster. Progress is checkpointed after every round under
+``cache_dir("prune", <hash of input model + config>)`` (atomic writes), so a killed run resumes
+from the last finished round; the sensitivity table and the plan are kept there too.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from ...candidate import Candidate, module_hash
+from ...context import StepContext
+from ...errors import RecipeError, StepError
+from ...paths import cache_dir
+from ...recipe import StepConfig
+from ...record import atomic_write_bytes, atomic_write_json, json_hash
+from ...steps import step
+from ...task import Task
+from ..finetune import FinetuneConfig, accumulate_gradients, distill, resolve_data, to_tensors
+from .graph import (
+    CostModel,
+    PruneGraph,
+    apply_history,
+    count_macs_params,
+    keep_units,
+    sync_attention,
+)
+from .planner import Plan, check_reachable, make_plan, plan_from_ratios
+from .sensitivity import Evaluator, SweepSpec, run_sweep, table_losses
+
+__all__ = ["PruneConfig", "prune_step", "restore_pruned"]
+
+log = logging.getLogger("slimline.prune")
+HISTORY_ATTR = "_slimline_prune_history"  # pruning history carried by a pruned module
+WEIGHTS_FILE = "pruned.pt"
+HISTORY_FILE = "prune_history.json"
+
+
+class PruneConfig(StepConfig):
+    kind: ClassVar[str] = "prune"
+    target: float = Field(0.3, gt=0.0, lt=1.0, description="share of MACs (or params) to remove")
+    by: Literal["macs", "params"] = "macs"
+    max_ratio: float = Field(0.8, gt=0.0, lt=1.0, description="no group pruned beyond this")
+    ratios: list[float] = Field(
+        default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+        description="ratios of the sensitivity sweep",
+    )
+    round_to: int = Field(8, ge=1, le=256, description="kept channels: a multiple of this")
+    keep_first_last: bool = Field(True, description="keep the first layer whole (output layers always are)")
+    exclude: list[str] = Field(default_factory=list, description="module-name patterns kept whole")
+    importance: Literal["auto", "magnitude", "taylor"] = Field(
+        "auto", description="auto: Taylor with training data, L2 magnitude otherwise"
+    )
+    taylor_batches: int = Field(8, ge=1, le=1000)
+    plan: dict[str, float] | None = Field(
+        None, description="per-group ratios (from a run's manifest); skips sweep and planner"
+    )
+    rounds: int = Field(
+        10, ge=1, le=100, description="pruning rounds, each followed by fine-tuning"
+    )
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    sensitivity_samples: int = Field(1000, ge=1, description="evaluation rows for the sweep")
+    fidelity_weight: float = Field(1.0, ge=0.0, description="weight of (1 - cosine) in the loss")
+    workers: int = Field(
+        0, ge=0, le=256, description="sweep processes: 0 = target threads, 1 = none"
+    )
+    ray_address: str | None = Field(None, description="run the sweep on this Ray cluster")
+    example_batch: int = Field(2, ge=1, le=64)
+    progress: bool = True
+
+    @field_validator("ratios")
+    @classmethod
+    def _valid_ratios(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 < r < 1.0 for r in v):
+            raise ValueError(
+                "ratios must be a non-empty list of values in (0, 1), e.g. [0.1, 0.2, 0.4]"
+            )
+        return sorted(set(v))
+
+
+# -- restoring a pruned module (pipeline cache) ------------------------------------------------
+def _save_module(workdir: Path, module: Any, history: list[list[Any]]) -> dict[str, str]:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    atomic_write_bytes(workdir / WEIGHTS_FILE, buf.getvalue())
+    atomic_write_json(workdir / HISTORY_FILE, history)
+    return {"weights": WEIGHTS_FILE, "history_file": HISTORY_FILE}
+
+
+def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> Any:
+    """Rebuild the pruned module of a cached prune step: the task's model, the recorded channel
+    removals re-applied, then the saved weights (``torch.load(weights_only=True)``)."""
+    import torch
+
+    if task.model is None:
+        raise StepError(f"task {task.name} has no model(); a cached prune step cannot be restored")
+    history = json.loads((Path(entry) / meta["history_file"]).read_text())
+    model = task.model().eval()
+    apply_history(model, to_tensors(task.sample_inputs(2)), history)
+    model.load_state_dict(torch.load(Path(entry) / meta["weights"], weights_only=True))
+    setattr(model, HISTORY_ATTR, history)
+    return model.eval()
+
+
+# -- round checkpoints -------------------------------------------------------------------------
+class RoundState:
+    """Checkpoint of a prune step in progress: sweep table, plan, finished rounds."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        path = root / "state.json"
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+
+    @property
+    def rounds_done(self) -> int:
+        return int(self.data.get("rounds_done", 0))
+
+    def save(self, **items: Any) -> None:
+        self.data.update(items)
+        atomic_write_json(self.root / "state.json", self.data)
+
+    def save_round(
+        self, i: int, model: Any, history: list[list[Any]], records: list[dict[str, Any]]
+    ) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        atomic_write_bytes(self.root / f"round-{i}.pt", buf.getvalue())
+        self.save(rounds_done=i, history=history, records=records)
+        for old in self.root.glob("round-*.pt"):
+            if old.name != f"round-{i}.pt":
+                old.unlink(missing_ok=True)
+
+    def load_round(self) -> Any:
+        import torch
+
+        return torch.load(self.root / f"round-{self.rounds_done}.pt", weights_only=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _state_dir(cfg: PruneConfig, module: Any, task: Task) -> Path:
+    conf = cfg.model_dump(mode="json", exclude={"progress", "workers", "ray_address"})
+    conf["finetune"].pop("progress", None)
+    key = json_hash({"input": module_hash(module), "config": conf, "task": task.source})
+    return cache_dir("prune", key.split(":", 1)[1][:32])
+
+
+# -- importance --------------------------------------------------------------------------------
+def _importance(
+    cfg: PruneConfig, ctx: StepContext, model: Any, teacher: Any, data: Any, source: str
+) -> tuple[Any, str]:
+    import torch_pruning as tp
+
+    magnitude = tp.importance.GroupMagnitudeImportance(p=2)
+    if cfg.importance == "magnitude" or (cfg.importance == "auto" and source != "train"):
+        return magnitude, "magnitude-l2"
+    used = accumulate_gradients(
+        model, teacher, data, cfg.taylor_batches, output_kind=ctx.task.output_kind, task=ctx.task
+    )
+    if used == 0:
+        if cfg.importance == "taylor":
+            raise RecipeError(
+                "Taylor importance needs a gradient signal: labelled training data or logit "
+                "outputs; set `importance: magnitude` for this task"
+            )
+        return magnitude, "magnitude-l2 (the data gives no gradient signal)"
+    return tp.importance.GroupTaylorImportance(), "taylor"
+
+
+# -- planning ----------------------------------------------------------------------------------
+def _loadable(task: Task) -> bool:
+    """Whether worker processes can load ``task`` again from its source."""
+    if task.source.endswith(".py"):
+        return Path(task.source).is_file()
+    try:
+        from ...examples import EXAMPLES
+    except ImportError:
+        return False
+    return task.source in EXAMPLES
+
+
+def _sweep(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    graph: PruneGraph,
+    order: dict[str, list[int]],
+    base_history: list[list[Any]],
+) -> dict[str, Any]:
+    import torch
+
+    example_np = ctx.task.sample_inputs(cfg.example_batch)
+    evaluator = Evaluator(graph.model, ctx.task, cfg.sensitivity_samples, graph.example)
+    spec = None
+    workers = cfg.workers or ctx.threads
+    if (workers > 1 or cfg.ray_address) and _loadable(ctx.task):
+        buf = io.BytesIO()
+        torch.save(graph.model.state_dict(), buf)
+        spec = SweepSpec(
+            ctx.task.source,
+            ctx.recipe.samples,
+            base_history,
+            buf.getvalue(),
+            cfg.sensitivity_samples,
+            1,
+            example_np,
+        )
+    elif workers > 1:
+        ctx.warn(
+            f"task {ctx.task.name} cannot be reloaded by worker processes; the sensitivity sweep runs in-process"
+        )
+    return run_sweep(
+        graph,
+        order,
+        evaluator,
+        ratios=cfg.ratios,
+        max_ratio=cfg.max_ratio,
+        spec=spec,
+        workers=workers,
+        ray_address=cfg.ray_address,
+        progress=cfg.progress,
+    )
+
+
+def _plan(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    graph: PruneGraph,
+    cost: CostModel,
+    importance: Callable[[], Any],
+    state: RoundState,
+    base_history: list[list[Any]],
+) -> tuple[Plan, dict[str, Any] | None]:
+    if cfg.plan is not None:
+        plan = plan_from_ratios(
+            graph.groups, cfg.plan, cost, by=cfg.by, max_ratio=cfg.max_ratio, round_to=cfg.round_to
+        )
+        return plan, None
+    check_reachable(
+        cost,
+        graph.groups,
+        target=cfg.target,
+        by=cfg.by,
+        max_ratio=cfg.max_ratio,
+        round_to=cfg.round_to,
+    )
+    table = state.data.get("sensitivity")
+    if table is None:
+        imp = importance()
+        order = {n: graph.removal_order(n, imp) for n in graph.groups}
+        graph.model.zero_grad(set_to_none=True)
+        table = _sweep(cfg, ctx, graph, order, base_history)
+        state.save(sensitivity=table)
+        log.info(
+            "sensitivity map: %d jobs in %.1fs (%s)",
+            table["jobs"],
+            table["seconds"],
+            table["backend"],
+        )
+    plan = make_plan(
+        graph.groups,
+        table,
+        table_losses(table, cfg.fidelity_weight),
+        cost,
+        target=cfg.target,
+        by=cfg.by,
+        max_ratio=cfg.max_ratio,
+    )
+    return plan, table
+
+
+# -- rounds ------------------------------------------------------------------------------------
+def _round_targets(cfg: PruneConfig, graph: PruneGraph, plan: Plan, i: int) -> dict[str, int]:
+    if i == cfg.rounds:
+        return dict(plan.keep)
+    frac = i / cfg.rounds
+    return {
+        n: keep_units(g.size, plan.ratios[n] * frac, g.kind, cfg.round_to, cfg.max_ratio)
+        for n, g in graph.groups.items()
+    }
+
+
+def _resume(graph: PruneGraph, state: RoundState) -> None:
+    graph.dg.load_pruning_history([list(h) for h in state.data["history"]])
+    sync_attention(graph.model)
+    graph.model.load_state_dict(state.load_round())
+    log.info("prune: resuming after round %d from %s", state.rounds_done, state.root)
+
+
+def _one_round(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    graph: PruneGraph,
+    teacher: Any,
+    data: Any,
+    source: str,
+    plan: Plan,
+    i: int,
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    targets = _round_targets(cfg, graph, plan, i)
+    todo = {n: k for n, k in targets.items() if graph.units(n) > k}
+    record: dict[str, Any] = {"round": i}
+    if not todo:
+        return {**record, "skipped": "rounding leaves nothing to remove at this round's ratios"}
+    importance, imp_name = _importance(cfg, ctx, graph.model, teacher, data, source)
+    removed = {n: graph.prune_to(n, k, importance) for n, k in todo.items()}
+    graph.model.zero_grad(set_to_none=True)
+    ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
+    ft = distill(
+        graph.model,
+        teacher,
+        data,
+        ft_cfg,
+        output_kind=ctx.task.output_kind,
+        task=ctx.task,
+        desc=f"prune round {i}/{cfg.rounds}",
+    )
+    quality = ctx.evaluate(Candidate(f"prune-round-{i}", "prune", None, module=graph.model.eval()))
+    macs, params = count_macs_params(graph.model, graph.example)
+    return {
+        **record,
+        "removed_units": removed,
+        "importance": imp_name,
+        "macs": macs,
+        "params": params,
+        "metric": quality.metric,
+        "cosine_mean": quality.cosine_mean,
+        "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def _run_rounds(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    graph: PruneGraph,
+    teacher: Any,
+    data: Any,
+    source: str,
+    plan: Plan,
+    state: RoundState,
+) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = list(state.data.get("records", []))
+    if state.rounds_done:
+        _resume(graph, state)
+    for i in range(state.rounds_done + 1, cfg.rounds + 1):
+        rec = _one_round(cfg, ctx, graph, teacher, data, source, plan, i)
+        records.append(rec)
+        state.save_round(i, graph.model, graph.history(), records)
+        if "metric" in rec:
+            log.info(
+                "prune round %d/%d: %s %.4f, cosine %.4f, MACs %d (%.1fs)",
+                i,
+                cfg.rounds,
+                ctx.task.metric_name,
+                rec["metric"],
+                rec["cosine_mean"],
+                rec["macs"],
+                rec["seconds"],
+            )
+    return records
+
+
+# -- the step ----------------------------------------------------------------------------------
+def _export(ctx: StepContext, module: Any) -> tuple[Path, dict[str, Any]]:
+    from ...export import ExportConfig, export_module, verify_export
+
+    cfg = next((s for s in ctx.recipe.steps if isinstance(s, ExportConfig)), ExportConfig())
+    sample = ctx.task.sample_inputs(cfg.check_samples)
+    path = export_module(module, sample, ctx.workdir / "model.onnx", cfg.opset)
+    return path, verify_export(module, path, sample, cfg, ctx.threads)
+
+
+def _input_module(cand: Candidate) -> Any:
+    if cand.module is None:
+        raise StepError(
+            f"prune needs a torch model, but candidate {cand.name} is an ONNX file only; give a "
+            "task .py whose model() returns the torch.nn.Module"
+        )
+    return cand.module
+
+
+@step(PruneConfig, restore=restore_pruned)
+def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
+    import torch
+
+    module = _input_module(cand)
+    torch.set_num_threads(ctx.threads)
+    base_history = list(getattr(module, HISTORY_ATTR, []))
+    teacher = copy.deepcopy(module).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    example = to_tensors(ctx.task.sample_inputs(cfg.example_batch))
+    graph = PruneGraph(
+        copy.deepcopy(module).eval(),
+        example,
+        exclude=cfg.exclude,
+        keep_first_last=cfg.keep_first_last,
+        round_to=cfg.round_to,
+    )
+    if not graph.groups:
+        raise StepError(
+            f"no prunable channel groups in {type(module).__name__} (skipped: {graph.skipped or 'none'}); "
+            "check `exclude` and `keep_first_last`, or lower `round_to`"
+        )
+    cost = CostModel(graph)
+    data, source, note = resolve_data(ctx.task, cfg.finetune)
+    if note:
+        ctx.warn(note)
+    state = RoundState(_state_dir(cfg, module, ctx.task))
+    plan, table = _plan(
+        cfg,
+        ctx,
+        graph,
+        cost,
+        lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
+        state,
+        base_history,
+    )
+    state.save(plan=plan.to_dict())
+    resumed = state.rounds_done
+    records = _run_rounds(cfg, ctx, graph, teacher, data, source, plan, state)
+    pruned = graph.model.eval()
+    history = base_history + graph.history()
+    setattr(pruned, HISTORY_ATTR, history)
+    files = _save_module(ctx.workdir, pruned, history)
+    onnx_path, check = _export(ctx, pruned)
+    macs_after, params_after = count_macs_params(pruned, example)
+    meta = {
+        "plan": {n: r for n, r in plan.ratios.items() if r > 0},
+        "planned": plan.to_dict(),
+        "groups": {n: {**g.to_dict(), "kept": graph.units(n)} for n, g in graph.groups.items()},
+        "skipped_groups": graph.skipped,
+        "sensitivity": table,
+        "rounds": records,
+        "resumed_after_round": resumed,
+        "importance": sorted({r["importance"] for r in records if "importance" in r}),
+        "finetune_data": source,
+        "macs": {
+            "before": cost.total_macs,
+            "after": macs_after,
+            "removed": 1 - macs_after / cost.total_macs,
+        },
+        "params": {
+            "before": cost.total_params,
+            "after": params_after,
+            "removed": 1 - params_after / cost.total_params,
+        },
+        "export_check": check,
+        **files,
+    }
+    state.clear()
+    return Candidate("prune", "prune", cand.name, onnx=onnx_path, module=pruned, meta=meta)
