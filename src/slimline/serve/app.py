@@ -126,6 +126,13 @@ class ServerState:
             self.warm.add(name)
             log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())
 
+    async def warmed(self) -> None:
+        """Wait for warm-up; raises if it failed."""
+        if self._warmup is not None:
+            await asyncio.shield(self._warmup)
+        if self.warmup_error:
+            raise RuntimeError(self.warmup_error)
+
     async def stop(self) -> None:
         """Refuse new work, answer everything queued, then release the pools."""
         self.draining = True
@@ -147,8 +154,14 @@ def example_inputs(model: ServedModel, batch: int) -> dict[str, np.ndarray]:
 
 
 # -- the app ------------------------------------------------------------------------------
-def build_app(models: list[ServedModel], settings: ServeSettings | None = None) -> FastAPI:
-    """A FastAPI app serving ``models``; run it with uvicorn (see :mod:`slimline.serve`)."""
+def build_app(
+    models: list[ServedModel], settings: ServeSettings | None = None, *, warm_first: bool = False
+) -> FastAPI:
+    """A FastAPI app serving ``models``; run it with uvicorn (see :mod:`slimline.serve`).
+
+    The server is live at once and ready after warm-up; ``warm_first`` makes start-up itself
+    wait for warm-up (for hosts such as Ray Serve that route traffic once start-up returns).
+    """
     settings = settings or ServeSettings()
     if not models:
         raise ValueError("build_app needs at least one model")
@@ -157,6 +170,8 @@ def build_app(models: list[ServedModel], settings: ServeSettings | None = None) 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.start()
+        if warm_first:
+            await state.warmed()
         try:
             yield
         finally:
