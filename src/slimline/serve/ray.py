@@ -86,14 +86,13 @@ def build_ray_app(
         raise ServeError(f"--replicas is {replicas}; give at least 1")
     b = settings.batching
     deployment = serve.deployment(
-        V2Replica,
         name="slimline",
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus_per_replica},
         # let the replica's own queue policy (503 when full, 504 on deadline) govern
         max_ongoing_requests=b.max_queue_size + b.max_batch_size * b.instances,
         graceful_shutdown_timeout_s=settings.drain_timeout_s,
-    )
+    )(V2Replica)
     return deployment.bind(read_models(paths), settings)
 
 
