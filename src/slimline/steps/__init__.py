@@ -29,6 +29,7 @@ __all__ = [
 BUILTIN_STEP_MODULES: tuple[str, ...] = (
     "slimline.export",
     "slimline.compress.graph",
+    "slimline.compress.quantize",
 )
 
 C = TypeVar("C", bound=StepConfig)

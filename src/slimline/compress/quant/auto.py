@@ -1,0 +1,260 @@
+"""Automatic mode: build candidate settings suited to the model, measure them all interleaved
+against FP32, keep the fastest within budget; keep the worst layers in float when none is."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ...candidate import Candidate
+from ...context import StepContext
+from ...measure.quality import Quality
+from ...task import Inputs
+from .config import QuantizeConfig, QuantSpec
+from .engine import quantize_model
+from .fallback import fallback_warning, kernel_report
+from .layerwise import error_statement, layer_errors
+from .plan import PrecisionPlan
+from .prepare import Prepared
+
+__all__ = ["Trial", "candidate_specs", "search"]
+
+log = logging.getLogger("slimline.quantize")
+
+
+def candidate_specs(cfg: QuantizeConfig, prepared: Prepared) -> list[QuantSpec]:
+    """Static U8S8 per-channel with MinMax and with Percentile; dynamic per-channel where the
+    graph is MatMul-heavy. Types and symmetry follow the config."""
+    base = QuantSpec(
+        mode="static",
+        per_channel=True,
+        activation_type=cfg.activation_type,
+        weight_type=cfg.weight_type,
+        activation_symmetric=cfg.activation_symmetric,
+        weight_symmetric=cfg.weight_symmetric,
+        percentile=cfg.percentile,
+    )
+    specs = [replace(base, calibration="minmax"), replace(base, calibration="percentile")]
+    if prepared.matmul_heavy:
+        specs.append(replace(base, mode="dynamic", calibration="minmax"))
+    return specs
+
+
+@dataclass
+class Trial:
+    """One quantized variant: its file, what the runtime does with it, and its measurements."""
+
+    spec: QuantSpec
+    plan: PrecisionPlan
+    path: Path
+    kernels: dict[str, Any]
+    quality: Quality | None = None
+    latency: dict[str, Any] | None = None
+    fp32: dict[str, Any] | None = None  # FP32 latency measured in the same interleaved run
+    budget_ok: bool = False
+    budget_reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        suffix = (
+            f"-mixed{len(self.plan.float_nodes)}"
+            if self.plan.rule and "mixed precision" in self.plan.rule.values()
+            else ""
+        )
+        return f"quantize:{self.spec.slug}{suffix}"
+
+    def p50(self) -> float:
+        assert self.latency is not None
+        return float(self.latency["p50"])
+
+
+@dataclass
+class Search:
+    """Everything the search needs, so it can run with or without a pipeline."""
+
+    ctx: StepContext
+    cfg: QuantizeConfig
+    prepared: Prepared
+    caches: dict[str, Path]
+    out_dir: Path
+    eval_inputs: Callable[[], Iterable[Inputs]]
+    trials: list[Trial] = field(default_factory=list)
+    mixed_trace: list[dict[str, Any]] = field(default_factory=list)
+
+    def build(self, spec: QuantSpec, plan: PrecisionPlan, tag: str = "") -> Trial:
+        path = self.out_dir / f"{spec.slug}{tag}.onnx"
+        quantize_model(self.prepared.path, path, spec, plan.float_nodes, self.caches)
+        trial = Trial(spec, plan, path, kernel_report(path, self.ctx.threads))
+        warn = fallback_warning(spec.label, trial.kernels)
+        if warn:
+            trial.notes.append(warn)
+        return trial
+
+    def judge(self, trial: Trial) -> Trial:
+        trial.quality = self.ctx.evaluate(self.candidate(trial))
+        trial.budget_ok, trial.budget_reason = self.ctx.within_budget(trial.quality)
+        return trial
+
+    def candidate(self, trial: Trial, parent: str = "") -> Candidate:
+        return Candidate(name=trial.name, step="quantize", parent=parent or None, onnx=trial.path)
+
+    def measure(self, trials: list[Trial]) -> None:
+        base = self.ctx.baseline
+        figures = self.ctx.compare([base, *[self.candidate(t) for t in trials]])
+        for t in trials:
+            t.latency, t.fp32 = figures[t.name]["latency_ms"], figures[base.name]["latency_ms"]
+
+    def faster(self, trial: Trial) -> bool:
+        """Measurably faster than FP32: the median wins by ``min_gain`` and the bands separate."""
+        assert trial.latency is not None and trial.fp32 is not None
+        gain = self.ctx.recipe.budget.min_gain
+        return (
+            trial.p50() < (1.0 - gain) * trial.fp32["p50"]
+            and trial.latency["band"][1] < trial.fp32["band"][0]
+        )
+
+    def ratio(self, trial: Trial) -> float:
+        assert trial.fp32 is not None
+        return trial.p50() / float(trial.fp32["p50"])
+
+    def reason(self, trial: Trial) -> str:
+        assert trial.fp32 is not None
+        speed = (
+            f"{self.ratio(trial):.2f}x FP32 latency (p50 {trial.p50():.2f} ms vs "
+            f"{trial.fp32['p50']:.2f} ms)"
+        )
+        if not self.faster(trial):
+            return f"not measurably faster than FP32: {speed}; {trial.kernels['summary']}"
+        if not trial.budget_ok:
+            return f"over budget: {trial.budget_reason}; {speed}"
+        return f"fastest within budget: {speed}; {trial.budget_reason}"
+
+
+def search(
+    s: Search, plan: PrecisionPlan, specs: list[QuantSpec]
+) -> tuple[Trial, list[Trial], dict[str, Any]]:
+    """Returns (chosen, rejected, record)."""
+    s.trials = [s.judge(s.build(spec, plan)) for spec in specs]
+    s.measure(s.trials)
+    record: dict[str, Any] = {"fp32_latency_ms": s.trials[0].fp32}
+    good = [t for t in s.trials if t.budget_ok and s.faster(t)]
+    if not good and s.cfg.mixed_precision:
+        mixed = _mixed_precision(s)
+        if mixed is not None:
+            s.trials.append(mixed)
+            if mixed.budget_ok and s.faster(mixed):
+                good = [mixed]
+    record["mixed_precision"] = s.mixed_trace
+    if good:
+        chosen = min(good, key=lambda t: t.p50())
+    else:
+        chosen = _best_effort(s)
+        record["no_candidate_met_budget"] = _why_none(s)
+    rejected = [t for t in s.trials if t is not chosen]
+    return chosen, rejected, record
+
+
+def _best_effort(s: Search) -> Trial:
+    """Nothing qualified: the fastest-to-FP32 candidate that is at least faster, closest to budget."""
+    faster = [t for t in s.trials if s.faster(t)] or s.trials
+    return max(faster, key=lambda t: (t.quality.cosine_mean if t.quality else -1.0, -t.p50()))
+
+
+def _why_none(s: Search) -> str:
+    parts = [f"{t.name}: {s.reason(t)}" for t in s.trials]
+    return "no candidate is both faster than FP32 and within budget; " + " | ".join(parts)
+
+
+def _mixed_precision(s: Search) -> Trial | None:
+    """Mixed precision from the fastest candidate that is faster than FP32 (it only costs speed)."""
+    fast = sorted((t for t in s.trials if s.faster(t)), key=lambda t: t.p50())
+    if not fast:
+        s.mixed_trace.append({"skipped": "no candidate is faster than FP32, nothing to trade"})
+        return None
+    best = mixed_precision(s, fast[0])
+    if best is not None:
+        s.measure([best])
+    return best
+
+
+def mixed_precision(s: Search, base: Trial) -> Trial | None:
+    """Keep the worst nodes of ``base``'s ranking in float, bisecting over how many, until the
+    budget is met (at most ``max_float_share`` of them). Returns the last probe that met it, or
+    the largest probe when none did."""
+    rows = layer_errors(
+        s.prepared.path,
+        base.path,
+        base.plan.int8_nodes,
+        s.eval_inputs(),
+        s.cfg.layerwise_samples,
+        s.ctx.threads,
+    )
+    ranking = [r["node"] for r in rows if r["sqnr_db"] is not None]
+    if not ranking:
+        return None
+    hi = max(1, int(s.cfg.max_float_share * len(ranking)))
+    probes: dict[int, Trial] = {}
+
+    def probe(k: int) -> Trial:
+        plan = base.plan.with_float(ranking[:k], "mixed precision")
+        trial = s.judge(s.build(base.spec, plan, f"-mixed{k}"))
+        probes[k] = trial
+        s.mixed_trace.append(
+            {
+                "float_nodes": k,
+                "ok": trial.budget_ok,
+                "reason": trial.budget_reason,
+                "fidelity": trial.quality.fidelity_dict() if trial.quality else None,
+            }
+        )
+        return trial
+
+    if not probe(hi).budget_ok:
+        s.mixed_trace.append({"result": f"even {hi} nodes in float miss the budget"})
+        return probes[hi]
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid).budget_ok:
+            hi = mid
+        else:
+            lo = mid
+    best = probes[hi]
+    s.mixed_trace.append(
+        {
+            "result": f"{hi} of {len(ranking)} ranked nodes kept in float",
+            "from": base.spec.label,
+            "float_nodes_list": ranking[:hi],
+        }
+    )
+    return best
+
+
+def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record of one trial for ``Candidate.meta``."""
+    return {
+        "config": trial.spec.to_dict(),
+        "label": trial.spec.label,
+        "precision_map": trial.plan.to_dict(),
+        "kernels": trial.kernels,
+        "fallback_report": trial.kernels["summary"],
+        "layerwise": rows,
+        "layerwise_statement": error_statement(rows) if rows else None,
+        "latency_ratio_vs_fp32": round(s.ratio(trial), 4) if trial.latency and trial.fp32 else None,
+        "notes": trial.notes,
+    }
+
+
+def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
+    return layer_errors(
+        s.prepared.path,
+        trial.path,
+        trial.plan.int8_nodes,
+        s.eval_inputs(),
+        s.cfg.layerwise_samples,
+        s.ctx.threads,
+    )

@@ -1,0 +1,399 @@
+"""Chunked calibration: one pass over the calibration data feeds every range estimator at once.
+
+ONNX Runtime's calibrators keep every intermediate output of every sample in memory until the
+end (Percentile and Entropy on a BERT-class model with 512 samples need tens of GB). Here the
+augmented model (ONNX Runtime's own, from ``create_calibrator``) is run on chunks sized to a
+memory budget, and each chunk is folded at once into
+
+* min/max per tensor (MinMax ranges),
+* ONNX Runtime's ``HistogramCollector`` (Percentile and, when asked, Entropy ranges),
+* running moments, for the distribution analysis.
+
+The ranges are written as ONNX Runtime calibration caches, which ``quantize_static`` reads, so
+every quantized variant (and every mixed-precision retry) reuses one calibration pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import DataError
+from ...measure.runners import ort_session, session_input_spec
+from ...task import Inputs, check_inputs, iter_rows
+from .prepare import quiet
+
+__all__ = ["Calibration", "TensorStats", "calibrate", "rebatch", "static_op_types"]
+
+log = logging.getLogger("slimline.quantize")
+
+_BINS = 2048
+_OUTLIER_SIGMAS = 6.0
+_MAX_CHUNK_ROWS = 64
+# Histograms and moments see at most this many values per tensor per chunk (a fixed stride
+# through the flattened tensor); min/max always see every value. Without this, histogramming
+# dominates calibration time on convolutional feature maps.
+_HIST_VALUES = 1 << 18
+
+
+def _subsample(arr: np.ndarray) -> np.ndarray:
+    flat = arr.reshape(-1)
+    stride = -(-flat.size // _HIST_VALUES)
+    return np.ascontiguousarray(flat[::stride], dtype=np.float32)
+
+
+def static_op_types() -> list[str]:
+    """The op types ``quantize_static`` quantizes by default (its QLinear and QDQ registries)."""
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    return sorted(set(QLinearOpsRegistry) | set(QDQRegistry))
+
+
+@dataclass
+class TensorStats:
+    count: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+    lo: float = float("inf")
+    hi: float = float("-inf")
+
+    def update(self, arr: np.ndarray, sample: np.ndarray) -> None:
+        """Exact range from ``arr``; moments from ``sample`` (a strided subsample of it)."""
+        if arr.size == 0:
+            return
+        self.lo = min(self.lo, float(arr.min()))
+        self.hi = max(self.hi, float(arr.max()))
+        a = sample.astype(np.float64)
+        self.count += a.size
+        self.total += float(a.sum())
+        self.total_sq += float(np.dot(a, a))
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(self.count, 1)
+
+    @property
+    def std(self) -> float:
+        return float(np.sqrt(max(self.total_sq / max(self.count, 1) - self.mean**2, 0.0)))
+
+
+@dataclass
+class Calibration:
+    """What one calibration pass produced: ranges per method, statistics, cost."""
+
+    caches: dict[str, Path]  # method -> ONNX Runtime calibration cache (JSON)
+    stats: dict[str, dict[str, float]]  # tensor -> range, percentiles, outlier share
+    histograms: dict[str, tuple[list[int], list[float]]]  # tensor -> (counts, edges), for plots
+    ranges: dict[str, tuple[float, float]]  # tensor -> MinMax range
+    samples: int
+    chunk_rows: int
+    wall_s: float
+    peak_rss_mb: float
+    representativeness: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "chunk_rows": self.chunk_rows,
+            "wall_s": round(self.wall_s, 3),
+            "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "methods": sorted(self.caches),
+            "tensors": len(self.stats),
+        }
+
+
+def rebatch(batches: Iterable[Inputs], rows: int, limit: int | None) -> Iterator[Inputs]:
+    """Re-cut ``batches`` into chunks of at most ``rows`` rows (merging only same-shaped rows)."""
+    buf: list[Inputs] = []
+    have = 0
+    for b in iter_rows(batches, limit):
+        n = len(next(iter(b.values())))
+        for start in range(0, n, rows):
+            part = {k: v[start : start + rows] for k, v in b.items()}
+            m = len(next(iter(part.values())))
+            if buf and (have + m > rows or not _same_shapes(buf[0], part)):
+                yield _concat(buf)
+                buf, have = [], 0
+            buf.append(part)
+            have += m
+    if buf:
+        yield _concat(buf)
+
+
+def _same_shapes(a: Inputs, b: Inputs) -> bool:
+    return all(a[k].shape[1:] == b[k].shape[1:] and a[k].dtype == b[k].dtype for k in a)
+
+
+def _concat(parts: list[Inputs]) -> Inputs:
+    if len(parts) == 1:
+        return parts[0]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+class _RssSampler:
+    """Samples this process's RSS every 20 ms; ``peak_mb`` is the highest seen."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
+
+
+def calibrate(
+    model: Path,
+    batches: Iterable[Inputs],
+    out_dir: Path,
+    *,
+    samples: int,
+    methods: set[str],
+    percentile: float = 99.99,
+    symmetric: bool = False,
+    chunk_mb: int = 256,
+    op_types: list[str] | None = None,
+    threads: int = 1,
+    eval_batches: Iterable[Inputs] | None = None,
+    eval_samples: int = 64,
+) -> Calibration:
+    """Run ``model`` (a prepared float graph) on up to ``samples`` rows of ``batches`` in chunks.
+
+    ``methods`` is a subset of {"minmax", "percentile", "entropy"}; a cache is written for each.
+    When ``eval_batches`` is given, up to ``eval_samples`` of its rows are checked against the
+    calibrated ranges (see :func:`_representativeness`).
+    """
+    from onnxruntime.quantization import CalibrationMethod, create_calibrator
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _RssSampler() as rss, quiet():
+        calibrator = create_calibrator(
+            model,
+            op_types or static_op_types(),
+            augmented_model_path=str(out_dir / "augmented.onnx"),
+            calibrate_method=CalibrationMethod.Percentile,
+            extra_options={"symmetric": symmetric, "num_bins": _BINS, "percentile": percentile},
+        )
+        calibrator.infer_session = None  # ours below is pinned to the target's threads
+        session = ort_session(out_dir / "augmented.onnx", threads, level="basic")
+        wanted = sorted(calibrator.tensors_to_calibrate)
+        acc = _Accumulator(methods, percentile, symmetric)
+        n, chunk_rows = _collect(session, wanted, batches, samples, chunk_mb, acc)
+        caches = acc.write_caches(out_dir)
+        rep = _representativeness(session, wanted, acc.moments, eval_batches, eval_samples)
+    return Calibration(
+        caches=caches,
+        stats=acc.tensor_stats(),
+        histograms=acc.histograms(),
+        ranges={k: (s.lo, s.hi) for k, s in acc.moments.items()},
+        samples=n,
+        chunk_rows=chunk_rows,
+        wall_s=time.perf_counter() - t0,
+        peak_rss_mb=rss.peak_mb,
+        representativeness=rep,
+    )
+
+
+def _collect(
+    session: Any,
+    wanted: list[str],
+    batches: Iterable[Inputs],
+    samples: int,
+    chunk_mb: int,
+    acc: _Accumulator,
+) -> tuple[int, int]:
+    spec = session_input_spec(session)
+    it = iter(rebatch(batches, 1, samples))
+    first = next(it, None)
+    if first is None:
+        raise DataError(
+            "calibration_data() yielded no samples; the quantize step needs input batches"
+        )
+    check_inputs(first, spec, "calibration data")
+    per_row = acc.fold(session, wanted, first)
+    chunk_rows = int(max(1, min(_MAX_CHUNK_ROWS, chunk_mb * 2**20 // max(per_row, 1))))
+    seen = 1
+    for chunk in rebatch(it, chunk_rows, None):
+        check_inputs(chunk, spec, "calibration data")
+        acc.fold(session, wanted, chunk)
+        seen += len(next(iter(chunk.values())))
+    return seen, chunk_rows
+
+
+class _Accumulator:
+    def __init__(self, methods: set[str], percentile: float, symmetric: bool) -> None:
+        from onnxruntime.quantization.calibrate import HistogramCollector
+
+        self.methods = methods
+        self.moments: dict[str, TensorStats] = {}
+        # the value histogram serves the statistics, and Percentile when asymmetric
+        self.value = HistogramCollector("percentile", False, _BINS, 128, percentile, "same")
+        self.absolute = (
+            HistogramCollector("percentile", True, _BINS, 128, percentile, "same")
+            if "percentile" in methods and symmetric
+            else None
+        )
+        self.entropy = (
+            HistogramCollector("entropy", False, _BINS, 128, percentile, "same")
+            if "entropy" in methods
+            else None
+        )
+
+    def fold(self, session: Any, wanted: list[str], inputs: Inputs) -> int:
+        outs = session.run(wanted, inputs)
+        data = {name: arr for name, arr in zip(wanted, outs, strict=True) if arr.dtype.kind == "f"}
+        sub = {name: _subsample(arr) for name, arr in data.items()}
+        for name, arr in data.items():
+            self.moments.setdefault(name, TensorStats()).update(arr, sub[name])
+        for coll in (self.value, self.absolute, self.entropy):
+            if coll is not None:
+                coll.collect(sub)
+        return int(sum(a.nbytes for a in outs))
+
+    def write_caches(self, out_dir: Path) -> dict[str, Path]:
+        from onnxruntime.quantization.calibrate import (
+            CalibrationMethod,
+            TensorsData,
+            save_tensors_data,
+        )
+
+        caches: dict[str, Path] = {}
+        for method in sorted(self.methods):
+            if method == "minmax":
+                data: Any = {
+                    k: (np.array(s.lo, np.float32), np.array(s.hi, np.float32))
+                    for k, s in self.moments.items()
+                }
+                td = TensorsData(CalibrationMethod.MinMax, data)
+            elif method == "percentile":
+                coll = self.absolute or self.value
+                td = TensorsData(CalibrationMethod.Percentile, coll.compute_collection_result())
+            else:
+                assert self.entropy is not None
+                td = TensorsData(
+                    CalibrationMethod.Entropy, self.entropy.compute_collection_result()
+                )
+            caches[method] = out_dir / f"calibration-{method}.json"
+            save_tensors_data(td, caches[method])
+        return caches
+
+    def tensor_stats(self) -> dict[str, dict[str, float]]:
+        hists = self.value.get_histogram_dict()
+        return {name: _describe(m, hists.get(name)) for name, m in self.moments.items()}
+
+    def histograms(self) -> dict[str, tuple[list[int], list[float]]]:
+        out = {}
+        for name, h in self.value.get_histogram_dict().items():
+            counts, edges = _coarsen(np.asarray(h[0]), np.asarray(h[1]), 64)
+            out[name] = (counts.tolist(), [float(e) for e in edges])
+        return out
+
+
+def _coarsen(counts: np.ndarray, edges: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Merge histogram bins down to ``bins`` (for plots), dropping empty outer bins first."""
+    nz = np.nonzero(counts)[0]
+    if nz.size:
+        counts, edges = counts[nz[0] : nz[-1] + 1], edges[nz[0] : nz[-1] + 2]
+    step = max(1, int(np.ceil(len(counts) / bins)))
+    pad = (-len(counts)) % step
+    c = np.concatenate([counts, np.zeros(pad, counts.dtype)]).reshape(-1, step).sum(axis=1)
+    e = edges[::step]
+    if len(e) < len(c) + 1:
+        e = np.append(e, edges[-1])
+    return c, e[: len(c) + 1]
+
+
+def _describe(m: TensorStats, hist: Any) -> dict[str, float]:
+    out = {"min": m.lo, "max": m.hi, "mean": m.mean, "std": m.std, "count": float(m.count)}
+    absmax = max(abs(m.lo), abs(m.hi))
+    if hist is None or m.count == 0:
+        return {**out, "p99_99_abs": absmax, "range_ratio": 1.0, "outlier_share": 0.0}
+    counts, edges = np.asarray(hist[0], np.float64), np.asarray(hist[1], np.float64)
+    centers = (edges[:-1] + edges[1:]) / 2
+    cdf = np.cumsum(counts) / max(counts.sum(), 1.0)
+    for q, key in (
+        (0.0001, "p0_01"),
+        (0.01, "p1"),
+        (0.5, "p50"),
+        (0.99, "p99"),
+        (0.9999, "p99_99"),
+    ):
+        out[key] = float(centers[min(int(np.searchsorted(cdf, q)), len(centers) - 1)])
+    abs_order = np.argsort(np.abs(centers))
+    abs_cdf = np.cumsum(counts[abs_order]) / max(counts.sum(), 1.0)
+    p_abs = float(
+        np.abs(centers[abs_order][min(int(np.searchsorted(abs_cdf, 0.9999)), len(centers) - 1)])
+    )
+    width = float(edges[1] - edges[0]) if len(edges) > 1 else 0.0
+    out["p99_99_abs"] = max(p_abs, width)
+    out["range_ratio"] = absmax / out["p99_99_abs"] if out["p99_99_abs"] > 0 else 1.0
+    far = np.abs(centers - m.mean) > _OUTLIER_SIGMAS * max(m.std, 1e-12)
+    out["outlier_share"] = float(counts[far].sum() / max(counts.sum(), 1.0))
+    return out
+
+
+_EXCEED_TOL = 0.05  # share of the calibrated range an eval value may overshoot unnoticed
+_EXCEED_WARN = 0.10  # share of eval samples overshooting that makes a tensor worth a warning
+
+
+def _representativeness(
+    session: Any,
+    wanted: list[str],
+    moments: dict[str, TensorStats],
+    batches: Iterable[Inputs] | None,
+    limit: int,
+) -> dict[str, Any]:
+    """Per tensor: the share of evaluation samples whose values leave the calibrated range by more
+    than 5% of its width, and the largest overshoot (in range widths)."""
+    if batches is None or limit <= 0:
+        return {}
+    names = [n for n in wanted if n in moments]
+    hits = dict.fromkeys(names, 0)
+    worst = dict.fromkeys(names, 0.0)
+    n = 0
+    for row in rebatch(batches, 1, limit):
+        for name, arr in zip(names, session.run(names, row), strict=True):
+            m = moments[name]
+            width = max(m.hi - m.lo, 1e-12)
+            over = max((m.lo - float(arr.min())) / width, (float(arr.max()) - m.hi) / width, 0.0)
+            worst[name] = max(worst[name], over)
+            hits[name] += over > _EXCEED_TOL
+        n += 1
+    if n == 0:
+        return {}
+    share = {k: v / n for k, v in hits.items()}
+    flagged = sorted((k for k in names if share[k] > _EXCEED_WARN), key=lambda k: -share[k])
+    return {
+        "eval_samples": n,
+        "tolerance": _EXCEED_TOL,
+        "flagged": [
+            {"tensor": k, "exceed_share": round(share[k], 4), "max_overshoot": round(worst[k], 3)}
+            for k in flagged
+        ],
+        "tensors_checked": len(names),
+    }

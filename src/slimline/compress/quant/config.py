@@ -1,0 +1,113 @@
+"""Typed configuration of the quantize step, and the concrete spec of one quantized variant."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from ...recipe import StepConfig
+
+__all__ = ["CalibrationName", "Precision", "QuantSpec", "QuantizeConfig"]
+
+Precision = Literal["int8", "float"]
+CalibrationName = Literal["minmax", "percentile", "entropy"]
+
+
+class QuantizeConfig(StepConfig):
+    """INT8 post-training quantization with ONNX Runtime's quantization tool.
+
+    ``mode: auto`` (the default) builds candidates suited to the model, measures them against
+    FP32 and keeps the fastest that meets the budget, keeping the worst layers in float when
+    needed. ``static`` and ``dynamic`` quantize once with the given settings.
+
+    ``precision`` maps node names to ``int8`` or ``float``. Keys are exact node names, or regular
+    expressions written ``re:<pattern>`` (matched with ``re.fullmatch``). Precedence, highest
+    first: exact name, then the first matching regex in the order written, then the default rule
+    (first and last compute layers float when ``keep_first_last_float``), then ``int8``. Names
+    refer to the graph after preparation, as listed in the report's layer-wise table.
+    """
+
+    kind: ClassVar[str] = "quantize"
+    mode: Literal["auto", "static", "dynamic"] = "auto"
+    calibration: CalibrationName = "minmax"
+    percentile: float = Field(99.99, gt=90.0, lt=100.0, description="for percentile calibration")
+    per_channel: bool = True
+    activation_type: Literal["uint8", "int8"] = "uint8"
+    weight_type: Literal["int8", "uint8"] = "int8"
+    activation_symmetric: bool = False
+    weight_symmetric: bool = True
+    samples: int = Field(512, ge=1, le=100_000, description="calibration samples")
+    precision: dict[str, Precision] = Field(default_factory=dict)
+    keep_first_last_float: bool = True
+    optimize_graph: bool = True
+    mixed_precision: bool = True
+    max_float_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="mixed precision keeps at most this share in float"
+    )
+    layerwise_samples: int = Field(16, ge=1, le=1024)
+    representativeness_samples: int = Field(64, ge=0, le=10_000)
+    calibration_chunk_mb: int = Field(256, ge=16, le=16_384)
+
+    @field_validator("precision")
+    @classmethod
+    def _valid_patterns(cls, v: dict[str, Precision]) -> dict[str, Precision]:
+        import re
+
+        for key in v:
+            if key.startswith("re:"):
+                try:
+                    re.compile(key[3:])
+                except re.error as err:
+                    raise ValueError(f"precision key {key!r} is not a valid regex: {err}") from None
+        return v
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One concrete quantization setting (what ``quantize_model`` applies)."""
+
+    mode: Literal["static", "dynamic"]
+    calibration: CalibrationName = "minmax"
+    per_channel: bool = True
+    activation_type: Literal["uint8", "int8"] = "uint8"
+    weight_type: Literal["int8", "uint8"] = "int8"
+    activation_symmetric: bool = False
+    weight_symmetric: bool = True
+    percentile: float = 99.99
+
+    @property
+    def label(self) -> str:
+        a = "U8" if self.activation_type == "uint8" else "S8"
+        w = "S8" if self.weight_type == "int8" else "U8"
+        gran = "per-channel" if self.per_channel else "per-tensor"
+        if self.mode == "dynamic":
+            return f"dynamic {w} {gran}"
+        cal = (
+            self.calibration
+            if self.calibration != "percentile"
+            else f"percentile {self.percentile:g}"
+        )
+        return f"static QDQ {a}{w} {gran} {cal}"
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "-").replace(".", "_").lower()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, cfg: QuantizeConfig) -> QuantSpec:
+        assert cfg.mode != "auto"
+        return cls(
+            mode=cfg.mode,
+            calibration=cfg.calibration,
+            per_channel=cfg.per_channel,
+            activation_type=cfg.activation_type,
+            weight_type=cfg.weight_type,
+            activation_symmetric=cfg.activation_symmetric,
+            weight_symmetric=cfg.weight_symmetric,
+            percentile=cfg.percentile,
+        )

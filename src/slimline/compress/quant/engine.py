@@ -1,0 +1,108 @@
+"""Apply one :class:`QuantSpec` to a prepared float graph with ONNX Runtime's quantization tool."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from ...errors import StepError
+from ...record import atomic_write_bytes
+from .config import QuantSpec
+from .prepare import quiet
+
+__all__ = ["DYNAMIC_OP_TYPES", "quantize_model"]
+
+# ConvInteger is slower than float Conv on x86; dynamic quantization is for MatMul-heavy graphs.
+DYNAMIC_OP_TYPES = ["MatMul", "Attention"]
+
+
+def _qtype(name: str) -> object:
+    from onnxruntime.quantization import QuantType
+
+    return QuantType.QUInt8 if name == "uint8" else QuantType.QInt8
+
+
+def quantize_model(
+    src: Path,
+    dst: Path,
+    spec: QuantSpec,
+    float_nodes: list[str],
+    caches: dict[str, Path] | None = None,
+) -> Path:
+    """Quantize ``src`` into ``dst`` (atomically), keeping ``float_nodes`` in float.
+
+    Static specs read their ranges from ``caches[spec.calibration]`` (written by
+    :func:`slimline.compress.quant.calibrate.calibrate`); nothing is recalibrated here.
+    """
+    with tempfile.TemporaryDirectory() as tmp, quiet():
+        out = Path(tmp) / "q.onnx"
+        try:
+            if spec.mode == "static":
+                _static(src, out, spec, float_nodes, caches or {})
+            else:
+                _dynamic(src, out, spec, float_nodes)
+        except StepError:
+            raise
+        except Exception as err:
+            raise StepError(
+                f"ONNX Runtime could not quantize {src.name} ({spec.label}): {err}"
+            ) from err
+        atomic_write_bytes(dst, onnx.load(str(out)).SerializeToString())
+    return dst
+
+
+def _extra(spec: QuantSpec) -> dict[str, object]:
+    return {
+        "ActivationSymmetric": spec.activation_symmetric,
+        "WeightSymmetric": spec.weight_symmetric,
+        "DefaultTensorType": onnx.TensorProto.FLOAT,
+    }
+
+
+def _static(
+    src: Path, out: Path, spec: QuantSpec, float_nodes: list[str], caches: dict[str, Path]
+) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+    cache = caches.get(spec.calibration)
+    if cache is None:
+        raise StepError(
+            f"no {spec.calibration} calibration was run for {spec.label}; calibrate first"
+        )
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "percentile": CalibrationMethod.Percentile,
+        "entropy": CalibrationMethod.Entropy,
+    }[spec.calibration]
+    quantize_static(
+        str(src),
+        str(out),
+        calibration_data_reader=None,
+        quant_format=QuantFormat.QDQ,
+        per_channel=spec.per_channel,
+        activation_type=_qtype(spec.activation_type),
+        weight_type=_qtype(spec.weight_type),
+        nodes_to_exclude=list(float_nodes),
+        calibrate_method=method,
+        extra_options=_extra(spec),
+        calibration_cache_path=str(cache),
+    )
+
+
+def _dynamic(src: Path, out: Path, spec: QuantSpec, float_nodes: list[str]) -> None:
+    from onnxruntime.quantization import quantize_dynamic
+
+    quantize_dynamic(
+        str(src),
+        str(out),
+        op_types_to_quantize=DYNAMIC_OP_TYPES,
+        per_channel=spec.per_channel,
+        weight_type=_qtype(spec.weight_type),
+        nodes_to_exclude=list(float_nodes),
+        extra_options={
+            "WeightSymmetric": spec.weight_symmetric,
+            "DefaultTensorType": onnx.TensorProto.FLOAT,
+        },
+    )

@@ -1,0 +1,319 @@
+"""Graph preparation before quantization.
+
+ONNX Runtime's quantization tool wants a float graph made of standard ops, with shapes inferred
+and BatchNorm already folded. This module:
+
+* undoes ONNX Runtime's *runtime-only* fusions (``FusedConv``, ``FusedGemm``) when the input was
+  saved by its extended-level optimizer, because the quantizer does not know those ops;
+* for BERT-class graphs, runs ONNX Runtime's transformer fusions (Attention, SkipLayerNorm,
+  BiasGelu, EmbedLayerNorm), whose quantized kernels (QAttention, DynamicQuantizeMatMul) are what
+  makes INT8 faster on CPU; the head count is found by trying candidates and checking numerically;
+* runs ``quant_pre_process`` (symbolic shape inference, basic optimization: BN folding, constant
+  folding) and checks the prepared graph against its source on sample inputs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tempfile
+from collections import Counter
+from contextlib import redirect_stdout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ...errors import StepError
+from ...measure.quality import fidelity
+from ...measure.runners import ort_session
+from ...record import atomic_write_bytes
+from ...task import Inputs
+
+__all__ = ["COMPUTE_OPS", "Prepared", "compute_nodes", "prepare"]
+
+log = logging.getLogger("slimline.quantize")
+
+COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")
+_TRANSFORMER_FUSED = ("Attention", "SkipLayerNormalization", "EmbedLayerNormalization", "BiasGelu")
+_PREP_COSINE = 0.9999
+
+
+@dataclass
+class Prepared:
+    """The float graph that every quantized variant is made from."""
+
+    path: Path
+    compute_nodes: list[str]
+    op_type: dict[str, str]
+    transformer: bool
+    ops: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def matmul_heavy(self) -> bool:
+        kinds = Counter(self.op_type.values())
+        return (
+            self.transformer or kinds["MatMul"] + kinds["Gemm"] + kinds["Attention"] > kinds["Conv"]
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "transformer": self.transformer,
+            "matmul_heavy": self.matmul_heavy,
+            "compute_nodes": len(self.compute_nodes),
+            "ops": self.ops,
+            "notes": self.notes,
+        }
+
+
+def compute_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Compute nodes (Conv, MatMul, Gemm, Attention...) in graph order (ONNX graphs are sorted)."""
+    return [
+        n
+        for n in model.graph.node
+        if n.op_type in COMPUTE_OPS and n.domain in ("", "com.microsoft")
+    ]
+
+
+def prepare(
+    src: Path, out_dir: Path, sample: Inputs, *, optimize: bool = True, threads: int = 1
+) -> Prepared:
+    """Prepare ``src`` for quantization into ``out_dir/prepared.onnx`` and describe it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dst = out_dir / "prepared.onnx"
+    model = onnx.load(str(src))
+    notes: list[str] = []
+    if _unfuse_runtime_ops(model):
+        notes.append(
+            "undid ONNX Runtime FusedConv/FusedGemm fusions (the quantizer needs plain ops)"
+        )
+    work = out_dir / "unfused.onnx"
+    atomic_write_bytes(work, model.SerializeToString())
+    transformer = _is_transformer(model)
+    if optimize and transformer and not _has(model, "Attention"):
+        work = _fuse_transformer(work, out_dir, sample, threads, notes)
+    _pre_process(work, dst, skip_optimization=not optimize or transformer, notes=notes)
+    _verify(src, dst, sample, threads, "prepared graph")
+    prepared = onnx.load(str(dst), load_external_data=False)
+    nodes = compute_nodes(prepared)
+    _name_unnamed(prepared, dst, nodes)
+    nodes = compute_nodes(onnx.load(str(dst), load_external_data=False))
+    if not nodes:
+        raise StepError(
+            f"{src.name} has no Conv, MatMul, Gemm or Attention node: nothing to quantize; "
+            "remove the quantize step from the recipe"
+        )
+    counts = dict(sorted(Counter(n.op_type for n in prepared.graph.node).items()))
+    return Prepared(
+        dst, [n.name for n in nodes], {n.name: n.op_type for n in nodes}, transformer, counts, notes
+    )
+
+
+def _has(model: onnx.ModelProto, op: str) -> bool:
+    return any(n.op_type == op for n in model.graph.node)
+
+
+def _is_transformer(model: onnx.ModelProto) -> bool:
+    counts = Counter(n.op_type for n in model.graph.node)
+    if any(counts[op] for op in _TRANSFORMER_FUSED):
+        return True
+    has_norm = counts["LayerNormalization"] > 0 or counts["ReduceMean"] >= 4
+    return counts["Softmax"] > 0 and counts["MatMul"] + counts["FusedMatMul"] >= 4 and has_norm
+
+
+def _name_unnamed(model: onnx.ModelProto, path: Path, nodes: list[onnx.NodeProto]) -> None:
+    if all(n.name for n in nodes):
+        return
+    for i, node in enumerate(model.graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+    atomic_write_bytes(path, model.SerializeToString())
+
+
+# --- undoing runtime-only fusions ------------------------------------------------------------
+
+_CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def _unfuse_runtime_ops(model: onnx.ModelProto) -> bool:
+    changed = False
+    new_nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        split = _split_fused(node, model) if node.op_type in ("FusedConv", "FusedGemm") else None
+        if split is None:
+            new_nodes.append(node)
+            continue
+        new_nodes.extend(split)
+        changed = True
+    if changed:
+        del model.graph.node[:]
+        model.graph.node.extend(new_nodes)
+    return changed
+
+
+def _split_fused(node: onnx.NodeProto, model: onnx.ModelProto) -> list[onnx.NodeProto] | None:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    act = (
+        attrs.pop("activation", b"").decode() if isinstance(attrs.get("activation"), bytes) else ""
+    )
+    params = list(attrs.pop("activation_params", []))
+    if node.op_type == "FusedConv":
+        if len(node.input) > 3 and node.input[3]:
+            return None  # FusedConv with a sum input: leave it
+        base = {k: v for k, v in attrs.items() if k in _CONV_ATTRS}
+        core_op = "Conv"
+    else:
+        if any(k.startswith("activation_") for k in attrs):
+            return None
+        base = {k: v for k, v in attrs.items() if k in ("alpha", "beta", "transA", "transB")}
+        core_op = "Gemm"
+    mid = node.output[0] + "_prefused"
+    core = helper.make_node(core_op, list(node.input[:3]), [mid], name=node.name, **base)
+    activation = _activation(act, params, mid, node.output[0], node.name, model)
+    return None if activation is None else [core, *activation]
+
+
+def _activation(
+    act: str, params: list[float], x: str, y: str, name: str, model: onnx.ModelProto
+) -> list[onnx.NodeProto] | None:
+    if act in ("Relu", "Sigmoid", "Tanh"):
+        return [helper.make_node(act, [x], [y], name=f"{name}/{act}")]
+    if act == "LeakyRelu" and params:
+        return [helper.make_node(act, [x], [y], name=f"{name}/{act}", alpha=params[0])]
+    if act == "Clip" and len(params) == 2:
+        lo, hi = f"{name}/clip_min", f"{name}/clip_max"
+        model.graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.array(params[0], np.float32), lo),
+                numpy_helper.from_array(np.array(params[1], np.float32), hi),
+            ]
+        )
+        return [helper.make_node("Clip", [x, lo, hi], [y], name=f"{name}/Clip")]
+    return None
+
+
+# --- transformer fusion ----------------------------------------------------------------------
+
+
+def _hidden_size(model: onnx.ModelProto) -> int:
+    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    squares = Counter(
+        inits[n.input[1]][0]
+        for n in model.graph.node
+        if n.op_type == "MatMul"
+        and len(n.input) > 1
+        and len(inits.get(n.input[1], ())) == 2
+        and inits[n.input[1]][0] == inits[n.input[1]][1]
+    )
+    return squares.most_common(1)[0][0] if squares else 0
+
+
+def _fuse_transformer(
+    src: Path, out_dir: Path, sample: Inputs, threads: int, notes: list[str]
+) -> Path:
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    hidden = _hidden_size(onnx.load(str(src), load_external_data=False))
+    tries = [0] + [hidden // d for d in (64, 32, 128, 16) if hidden and hidden % d == 0]
+    best: tuple[int, Path, dict[str, int]] | None = None
+    for heads in dict.fromkeys(tries):
+        dst = out_dir / f"fused-h{heads}.onnx"
+        with _quiet():
+            opt = optimize_model(
+                str(src),
+                model_type="bert",
+                num_heads=heads,
+                hidden_size=hidden if heads else 0,
+                opt_level=0,
+            )
+        stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        atomic_write_bytes(dst, opt.model.SerializeToString())
+        if not _agrees(src, dst, sample, threads):
+            continue
+        if best is None or stats.get("Attention", 0) > best[2].get("Attention", 0):
+            best = (heads, dst, stats)
+        if stats.get("Attention", 0):
+            break
+    if best is None:
+        notes.append("transformer fusion changed the outputs; kept the unfused graph")
+        return src
+    notes.append(
+        f"transformer fusion (num_heads={best[0] or 'detected'}, hidden={hidden}): {best[2]}"
+    )
+    if not best[2].get("Attention"):
+        notes.append(
+            "no Attention fused (the export's attention pattern is not recognised; export with "
+            "eager attention, e.g. attn_implementation='eager'); QAttention will not be used"
+        )
+    return best[1]
+
+
+class _quiet:
+    """Silence ONNX Runtime's quantization/fusion tools, which print and log at INFO."""
+
+    def __enter__(self) -> None:
+        self._out = redirect_stdout(io.StringIO())
+        self._out.__enter__()
+        self._levels = {}
+        for name in ("onnxruntime", "root", "fusion_utils", "onnx_model", "fusion_attention"):
+            lg = logging.getLogger(None if name == "root" else name)
+            self._levels[name] = lg.level
+            lg.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(None if name == "root" else name).setLevel(level)
+        self._out.__exit__(None, None, None)
+
+
+def quiet() -> _quiet:
+    return _quiet()
+
+
+# --- pre-processing and checks -----------------------------------------------------------------
+
+
+def _pre_process(src: Path, dst: Path, *, skip_optimization: bool, notes: list[str]) -> None:
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    attempts = [
+        {"auto_merge": True},
+        {"skip_symbolic_shape": True},
+    ]
+    last: Exception | None = None
+    for opts in attempts:
+        with tempfile.TemporaryDirectory() as tmp, quiet():
+            out = Path(tmp) / "pre.onnx"
+            try:
+                quant_pre_process(str(src), str(out), skip_optimization=skip_optimization, **opts)
+            except Exception as err:  # symbolic shape inference fails on some dynamic shapes
+                last = err
+                continue
+            atomic_write_bytes(dst, out.read_bytes())
+        if "skip_symbolic_shape" in opts:
+            notes.append("symbolic shape inference failed; used ONNX shape inference only")
+        return
+    raise StepError(
+        f"quantization pre-processing failed on {src.name}: {last}; re-export the model"
+    )
+
+
+def _agrees(a: Path, b: Path, sample: Inputs, threads: int) -> bool:
+    ra = ort_session(a, threads).run(None, sample)[0]
+    rb = ort_session(b, threads).run(None, sample)[0]
+    if ra.shape != rb.shape:
+        return False
+    fid = fidelity(np.asarray(rb, np.float32), np.asarray(ra, np.float32), logits=False)
+    return (fid["cosine_min"] or 0.0) >= _PREP_COSINE
+
+
+def _verify(src: Path, dst: Path, sample: Inputs, threads: int, what: str) -> None:
+    if not _agrees(src, dst, sample, threads):
+        raise StepError(
+            f"the {what} disagrees with {src.name} on sample inputs (cosine < {_PREP_COSINE}); "
+            "set optimize_graph: false in the quantize step"
+        )

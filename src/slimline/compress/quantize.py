@@ -1,0 +1,210 @@
+"""The ``quantize`` step: INT8 post-training quantization that is measured to be faster.
+
+See :mod:`slimline.compress.quant` for the engine and ``docs/quantization.md`` for the user
+guide. The step prepares the graph, calibrates once (in chunks), analyses distributions and
+calibration representativeness, then either applies one setting (``mode: static|dynamic``) or
+searches (``mode: auto``), and records everything it applied in the candidate's ``meta``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..candidate import Candidate
+from ..context import StepContext
+from ..steps import step
+from ..task import Inputs
+from .quant.auto import (
+    Search,
+    Trial,
+    candidate_specs,
+    describe,
+    layerwise_for,
+    mixed_precision,
+    search,
+)
+from .quant.calibrate import Calibration, calibrate
+from .quant.config import QuantizeConfig, QuantSpec
+from .quant.distribution import analyse, weight_stats
+from .quant.plan import resolve_plan
+from .quant.prepare import Prepared, prepare
+
+__all__ = ["QuantizeConfig", "quantize_step"]
+
+log = logging.getLogger("slimline.quantize")
+
+FEW_SAMPLES = 300
+
+
+def _source(cand: Candidate, ctx: StepContext) -> tuple[Path, str | None]:
+    """The float graph to prepare. A graph-step output saved by ONNX Runtime's extended optimizer
+    holds runtime-only fusions (FusedConv, FusedMatMul) the quantizer cannot read; when it came
+    straight from the FP32 export, the export is prepared instead (same optimizations, applied
+    in quantizable form here and again by ONNX Runtime at load time)."""
+    assert cand.onnx is not None, "quantize runs on an ONNX candidate"
+    base = ctx.baseline
+    if cand.step == "graph" and cand.parent == base.name and base.onnx is not None:
+        return Path(
+            base.onnx
+        ), f"prepared from {base.name}: the graph step's saved runtime fusions block quantization"
+    return Path(cand.onnx), None
+
+
+def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
+    return (inputs for inputs, _ in ctx.task.eval_data())
+
+
+def _calibrate(
+    cfg: QuantizeConfig, prepared: Prepared, methods: set[str], ctx: StepContext
+) -> Calibration:
+    calib = calibrate(
+        prepared.path,
+        ctx.task.calibration_data(),
+        ctx.workdir / "calibration",
+        samples=cfg.samples,
+        methods=methods,
+        percentile=cfg.percentile,
+        symmetric=cfg.activation_symmetric,
+        chunk_mb=cfg.calibration_chunk_mb,
+        threads=ctx.threads,
+        eval_batches=_eval_inputs(ctx),
+        eval_samples=cfg.representativeness_samples,
+    )
+    if calib.samples < FEW_SAMPLES:
+        ctx.warn(
+            f"quantize: calibrated on {calib.samples} samples (fewer than {FEW_SAMPLES}); ranges "
+            "may miss rare activations: give calibration_data() more samples"
+        )
+    flagged = calib.representativeness.get("flagged", [])
+    if flagged:
+        names = ", ".join(f"{f['tensor']} ({f['exceed_share']:.0%})" for f in flagged[:5])
+        ctx.warn(
+            f"quantize: evaluation inputs often exceed the calibrated ranges of {len(flagged)} "
+            f"tensors: {names}; calibrate on data that looks like what is served"
+        )
+    return calib
+
+
+@step(QuantizeConfig)
+def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Candidate:
+    t0 = time.perf_counter()
+    src, note = _source(cand, ctx)
+    sample = ctx.task.sample_inputs(1)
+    prepared = prepare(
+        src, ctx.workdir / "prepared", sample, optimize=cfg.optimize_graph, threads=ctx.threads
+    )
+    if note:
+        prepared.notes.insert(0, note)
+    plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
+    specs = candidate_specs(cfg, prepared) if cfg.mode == "auto" else [QuantSpec.from_config(cfg)]
+    methods: set[str] = {s.calibration for s in specs if s.mode == "static"} or {"minmax"}
+    calib = _calibrate(cfg, prepared, methods, ctx)
+    dist = analyse(calib, weight_stats(prepared.path, plan.int8_nodes))
+    s = Search(
+        ctx, cfg, prepared, calib.caches, ctx.workdir / "candidates", lambda: _eval_inputs(ctx)
+    )
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.mode == "auto":
+        chosen, rejected, record = search(s, plan, specs)
+    else:
+        chosen, rejected, record = _single(s, plan, specs[0])
+    rows = layerwise_for(s, chosen)
+    meta = {
+        "mode": cfg.mode,
+        **describe(s, chosen, rows),
+        "prepared": prepared.summary(),
+        "calibration": calib.summary(),
+        "representativeness": calib.representativeness,
+        "distributions": dist,
+        "search": {**record, "candidates": [_trial_summary(s, t) for t in s.trials]},
+        "step_wall_s": round(time.perf_counter() - t0, 2),
+    }
+    if "no_candidate_met_budget" in record:
+        meta["no_candidate_met_budget"] = record["no_candidate_met_budget"]
+        ctx.warn(f"quantize: {record['no_candidate_met_budget']}")
+    for t in [chosen, *rejected]:
+        for n in t.notes:
+            ctx.warn(f"quantize: {n}")
+    ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
+    return Candidate(
+        name="quantize",
+        step="quantize",
+        parent=cand.name,
+        onnx=chosen.path,
+        module=None,
+        meta=meta,
+        reason=s.reason(chosen) if chosen.latency else chosen.budget_reason,
+        measurement=_measurement(ctx, chosen),
+    )
+
+
+def _single(s: Search, plan: Any, spec: QuantSpec) -> tuple[Trial, list[Trial], dict[str, Any]]:
+    trial = s.judge(s.build(spec, plan))
+    s.trials = [trial]
+    record: dict[str, Any] = {}
+    if not trial.budget_ok and s.cfg.mixed_precision:
+        mixed = mixed_precision(s, trial)
+        if mixed is not None and mixed is not trial:
+            s.trials.append(mixed)
+            if mixed.budget_ok:
+                trial = mixed
+    record["mixed_precision"] = s.mixed_trace
+    if not trial.budget_ok:
+        record["no_candidate_met_budget"] = f"{trial.spec.label}: {trial.budget_reason}"
+    return trial, [t for t in s.trials if t is not trial], record
+
+
+def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
+    if t.quality is None:
+        return None
+    out: dict[str, Any] = {
+        "metric": {"name": ctx.task.metric_name, "value": t.quality.metric},
+        "fidelity": t.quality.fidelity_dict(),
+    }
+    if t.latency is not None:
+        out["latency_ms"] = t.latency
+    return out
+
+
+def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "label": t.spec.label,
+        "float_nodes": len(t.plan.float_nodes),
+        "kernels": t.kernels["summary"],
+        "latency_p50_ms": t.latency["p50"] if t.latency else None,
+        "fp32_p50_ms": t.fp32["p50"] if t.fp32 else None,
+        "ratio_vs_fp32": round(s.ratio(t), 4) if t.latency and t.fp32 else None,
+        "budget_ok": t.budget_ok,
+        "fidelity": t.quality.fidelity_dict() if t.quality else None,
+        "metric": t.quality.metric if t.quality else None,
+    }
+
+
+def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
+    reason = s.reason(t) if t.latency else f"not chosen: {t.budget_reason}"
+    if t.latency and t.budget_ok and s.faster(t):
+        reason = (
+            f"faster than FP32 and within budget, but slower than {chosen.name}: "
+            f"{s.ratio(t):.2f}x vs {s.ratio(chosen):.2f}x FP32 latency"
+        )
+    return Candidate(
+        name=t.name,
+        step="quantize",
+        parent=parent,
+        onnx=t.path,
+        accepted=False,
+        reason=reason,
+        meta={
+            "config": t.spec.to_dict(),
+            "label": t.spec.label,
+            "kernels": t.kernels,
+            "precision_map": t.plan.to_dict(),
+            "fallback_report": t.kernels["summary"],
+        },
+        measurement=_measurement(s.ctx, t),
+    )
