@@ -30,6 +30,7 @@ BUILTIN_STEP_MODULES: tuple[str, ...] = (
     "slimline.export",
     "slimline.compress.graph",
     "slimline.compress.quantize",
+    "slimline.compress.pruning.step",
 )
 
 C = TypeVar("C", bound=StepConfig)
