@@ -35,7 +35,7 @@ def post(client: httpx.Client, model: str, request: FuzzRequest) -> int:
 
 
 _fuzz = settings(
-    max_examples=300, deadline=None, database=None,
+    max_examples=300, deadline=None, database=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 
