@@ -131,11 +131,20 @@ def test_history_replays_on_a_fresh_model() -> None:
 
 @pytest.mark.parametrize(
     ("size", "ratio", "kind", "expect"),
-    [(64, 0.3, "channels", 48), (64, 0.0, "channels", 64), (20, 0.0, "channels", 20),
-     (44, 0.8, "channels", 16), (16, 0.3, "channels", 8), (16, 0.2, "channels", 16),
-     (12, 0.25, "heads", 9), (12, 0.8, "heads", 3)],
+    [
+        (64, 0.3, "channels", 48),
+        (64, 0.0, "channels", 64),
+        (20, 0.0, "channels", 20),
+        (44, 0.8, "channels", 16),
+        (16, 0.3, "channels", 8),
+        (16, 0.2, "channels", 16),
+        (12, 0.25, "heads", 9),
+        (12, 0.8, "heads", 3),
+    ],
 )
-def test_keep_units_rounds_and_respects_the_cap(size: int, ratio: float, kind: str, expect: int) -> None:
+def test_keep_units_rounds_and_respects_the_cap(
+    size: int, ratio: float, kind: str, expect: int
+) -> None:
     keep = keep_units(size, ratio, kind, 8, 0.8)  # type: ignore[arg-type]
     assert keep == expect
     assert (size - keep) / size <= 0.8 + 1e-9
@@ -202,8 +211,14 @@ class Encoder(nn.Module):
         from transformers import BertConfig, BertModel
 
         torch.manual_seed(0)
-        cfg = BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=128, max_position_embeddings=32)
+        cfg = BertConfig(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=32,
+        )
         self.bert = BertModel(cfg, add_pooling_layer=False).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -231,8 +246,8 @@ def test_removing_heads_equals_silencing_them() -> None:
     attn = ref.bert.encoder.layer[1].attention.self
     with torch.no_grad():  # a head whose values are zero contributes nothing
         for h in (0, 2):
-            attn.value.weight[h * 16:(h + 1) * 16] = 0.0
-            attn.value.bias[h * 16:(h + 1) * 16] = 0.0
+            attn.value.weight[h * 16 : (h + 1) * 16] = 0.0
+            attn.value.bias[h * 16 : (h + 1) * 16] = 0.0
     g = PruneGraph(enc, TOKENS)
     g.remove("bert.encoder.layer.1.attention.self", [0, 2])
     pruned = enc.bert.encoder.layer[1].attention.self
@@ -248,7 +263,12 @@ def test_encoder_ffn_pruning_and_replay() -> None:
     g.prune_to("bert.encoder.layer.0.intermediate.dense", 64, L2)
     g.prune_to("bert.encoder.layer.1.attention.self", 3, L2)
     assert enc.bert.encoder.layer[0].output.dense.in_features == 64
-    pred = cost.cost({"bert.encoder.layer.0.intermediate.dense": 0.5, "bert.encoder.layer.1.attention.self": 0.75})
+    pred = cost.cost(
+        {
+            "bert.encoder.layer.0.intermediate.dense": 0.5,
+            "bert.encoder.layer.1.attention.self": 0.75,
+        }
+    )
     assert pred[1] == pytest.approx(count_macs_params(enc, TOKENS)[1], rel=1e-6)
     fresh = apply_history(Encoder(), TOKENS, g.history())
     fresh.load_state_dict(enc.state_dict())

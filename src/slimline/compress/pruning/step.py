@@ -58,7 +58,9 @@ class PruneConfig(StepConfig):
         description="ratios of the sensitivity sweep",
     )
     round_to: int = Field(8, ge=1, le=256, description="kept channels: a multiple of this")
-    keep_first_last: bool = Field(True, description="keep the first layer whole (output layers always are)")
+    keep_first_last: bool = Field(
+        True, description="keep the first layer whole (output layers always are)"
+    )
     exclude: list[str] = Field(default_factory=list, description="module-name patterns kept whole")
     importance: Literal["auto", "magnitude", "taylor"] = Field(
         "auto", description="auto: Taylor with training data, L2 magnitude otherwise"

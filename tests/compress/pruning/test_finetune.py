@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from slimline.compress.finetune import (
+    FinetuneConfig,
+    accumulate_gradients,
+    distill,
+    distill_loss,
+    resolve_data,
+)
+from slimline.errors import DataError
+from slimline.task import Task
+
+
+def _batches(n: int = 12, labels: bool = True) -> Any:
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((32, 16)).astype(np.float32) for _ in range(n)]
+
+    def gen() -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+        for x in xs:
+            yield {"x": x}, (x[:, :4].argmax(1) if labels else None)
+
+    return gen
+
+
+class Net(nn.Module):
+    def __init__(self, out: int = 4) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _pair(out: int = 4) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    teacher = Net(out).eval()
+    with torch.no_grad():
+        teacher.b.weight.mul_(5.0)  # confident logits, so top-1 agreement is a stable measure
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        student.a.weight.add_(0.3 * torch.randn_like(student.a.weight))
+    return teacher, student
+
+
+def _agreement(a: nn.Module, b: nn.Module, data: Any) -> float:
+    with torch.no_grad():
+        hits = [
+            (a(torch.from_numpy(x["x"])).argmax(1) == b(torch.from_numpy(x["x"])).argmax(1))
+            .float()
+            .mean()
+            for x, _ in data()
+        ]
+    return float(torch.stack(hits).mean())
+
+
+CFG = FinetuneConfig(steps=150, lr=1e-2, eval_every=25, patience=3, val_batches=2, progress=False)
+
+
+def test_logit_distillation_recovers_the_teacher() -> None:
+    teacher, student = _pair()
+    data = _batches(labels=False)
+    before = _agreement(teacher, student, data)
+    res = distill(student, teacher, data, CFG, output_kind="logits")
+    assert res.val_after < 0.25 * res.val_before
+    assert _agreement(teacher, student, data) > before + 0.15
+    assert not student.training
+
+
+def test_embedding_distillation_by_cosine_and_mse() -> None:
+    for loss in ("cosine", "mse"):
+        teacher, student = _pair(out=8)
+        res = distill(
+            student,
+            teacher,
+            _batches(labels=False),
+            CFG.model_copy(update={"embedding_loss": loss}),
+            output_kind="embedding",
+        )
+        assert res.val_after < 0.5 * res.val_before, loss
+
+
+def test_early_stop_when_nothing_is_gained() -> None:
+    teacher, _ = _pair()
+    student = copy.deepcopy(teacher)  # already perfect: no evaluation can improve
+    res = distill(
+        student,
+        teacher,
+        _batches(),
+        CFG.model_copy(update={"eval_every": 5, "patience": 2}),
+        output_kind="logits",
+    )
+    assert res.stopped_early and res.steps == 10
+    for p, q in zip(student.parameters(), teacher.parameters(), strict=True):
+        torch.testing.assert_close(p, q)  # the best (initial) weights are kept
+
+
+def test_kd_loss_has_task_term_with_labels() -> None:
+    s, t = torch.randn(8, 4), torch.randn(8, 4)
+    labels = np.arange(8) % 4
+    pure = distill_loss(s, t, None, "logits", CFG)
+    mixed = distill_loss(s, t, labels, "logits", CFG)
+    ce = nn.functional.cross_entropy(s, torch.as_tensor(labels))
+    assert float(mixed) == pytest.approx(
+        CFG.alpha * float(pure) + (1 - CFG.alpha) * float(ce), rel=1e-5
+    )
+
+
+def _task(train: bool) -> Task:
+    return Task(
+        name="t",
+        source="t",
+        calibration_data=lambda: iter([{"x": np.zeros((2, 16), np.float32)}]),
+        eval_data=lambda: iter([]),
+        metric=lambda o, y: 0.0,
+        train_data=_batches() if train else None,
+    )
+
+
+def test_data_resolution_falls_back_and_says_so() -> None:
+    data, source, note = resolve_data(_task(False), FinetuneConfig())
+    assert source == "calibration" and note is not None and "calibration inputs" in note
+    ((inputs, labels),) = list(data())
+    assert labels is None and inputs["x"].shape == (2, 16)
+    assert resolve_data(_task(True), FinetuneConfig())[1:] == ("train", None)
+    with pytest.raises(DataError, match=r"no train_data.*data: calibration"):
+        resolve_data(_task(False), FinetuneConfig(data="train"))
+
+
+def test_gradients_for_taylor_need_a_signal() -> None:
+    teacher, student = _pair()
+    assert accumulate_gradients(student, teacher, _batches(), 3, output_kind="logits") == 3
+    assert student.a.weight.grad is not None and float(student.a.weight.grad.abs().sum()) > 0
+    emb_t, emb_s = _pair(out=8)
+    assert (
+        accumulate_gradients(emb_s, emb_t, _batches(labels=False), 3, output_kind="embedding") == 0
+    )

@@ -1,0 +1,177 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slimline.candidate import Candidate
+from slimline.compress.pruning import step as prune_mod
+from slimline.compress.pruning.step import PruneConfig, prune_step, restore_pruned
+from slimline.errors import DataError, RecipeError, StepError
+from slimline.measure.runners import OrtRunner, TorchRunner
+from slimline.recipe import recipe_from_dict
+from slimline.task import Task
+
+from .conftest import make_context
+
+FAST = {"steps": 30, "eval_every": 15, "val_batches": 2, "progress": False}
+
+
+def _cfg(**kw: Any) -> PruneConfig:
+    return PruneConfig(
+        **{
+            "target": 0.3,
+            "rounds": 2,
+            "workers": 1,
+            "progress": False,
+            "sensitivity_samples": 300,
+            "finetune": FAST,
+            **kw,
+        }
+    )
+
+
+def _fp32(task: Task) -> Candidate:
+    assert task.model is not None
+    return Candidate("fp32-torch", "fp32", None, module=task.model())
+
+
+@pytest.fixture(scope="module")
+def pruned(digits: Task, tmp_path_factory: pytest.TempPathFactory) -> tuple[Candidate, Any]:
+    workdir = tmp_path_factory.mktemp("prune")
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("prune-cache")
+        mp.setattr(prune_mod, "cache_dir", lambda *p: root)
+        ctx = make_context(digits, workdir)
+        return prune_step(_cfg(), _fp32(digits), ctx), ctx
+
+
+def test_step_removes_the_target_share_for_real(pruned: tuple[Candidate, Any]) -> None:
+    cand = pruned[0]
+    meta = cand.meta
+    assert meta["macs"]["removed"] >= 0.3  # measured on the pruned module, not predicted
+    assert meta["params"]["after"] < meta["params"]["before"]
+    assert sum(p.numel() for p in cand.module.parameters()) == meta["params"]["after"]
+    assert meta["plan"] and all(0 < r <= 0.8 for r in meta["plan"].values())
+    assert all(g["kept"] % 8 == 0 for g in meta["groups"].values())
+    assert meta["importance"] == ["taylor"] and meta["finetune_data"] == "train"
+    assert [r["round"] for r in meta["rounds"]] == [1, 2]
+
+
+def test_step_recovers_quality(pruned: tuple[Candidate, Any]) -> None:
+    cand, ctx = pruned
+    quality = ctx.evaluate(cand)  # ONNX Runtime on the full evaluation set
+    assert ctx.reference.metric - quality.metric <= 0.02
+    assert quality.cosine_mean > 0.97
+
+
+def test_sensitivity_table_is_a_layer_by_ratio_map(pruned: tuple[Candidate, Any]) -> None:
+    table = pruned[0].meta["sensitivity"]
+    assert table["ratios"] == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    assert set(table["groups"]) == set(pruned[0].meta["groups"])
+    for row in table["groups"].values():
+        assert len(row["metric"]) == len(row["cosine"]) == len(row["keep"]) == 8
+        assert row["cosine"][-1] < row["cosine"][0] or row["keep"][-1] == row["keep"][0]
+    assert table["samples"] == 300
+
+
+def test_export_and_restore_reproduce_the_pruned_model(
+    pruned: tuple[Candidate, Any], digits: Task
+) -> None:
+    cand, ctx = pruned
+    sample = digits.sample_inputs(16)
+    want = TorchRunner("t", cand.module, 1).run(sample)
+    assert cand.onnx is not None and cand.onnx.parent == ctx.workdir
+    np.testing.assert_allclose(OrtRunner("o", cand.onnx, 1).run(sample), want, atol=1e-4)
+    restored = restore_pruned(ctx.workdir, cand.meta, digits)
+    np.testing.assert_allclose(TorchRunner("r", restored, 1).run(sample), want, atol=1e-6)
+
+
+def test_an_edited_plan_is_fed_back_without_a_sweep(
+    pruned: tuple[Candidate, Any], digits: Task, tmp_path: Path
+) -> None:
+    plan = dict(pruned[0].meta["plan"])
+    name = min(plan)
+    plan[name] = 0.5
+    no_train = dataclasses.replace(digits, train_data=None)
+    ctx = make_context(no_train, tmp_path)
+    cand = prune_step(_cfg(plan=plan, rounds=1), _fp32(digits), ctx)
+    assert cand.meta["sensitivity"] is None
+    assert cand.meta["plan"][name] == 0.5
+    size = cand.meta["groups"][name]["size"]
+    assert cand.meta["groups"][name]["kept"] == round(size * 0.5 / 8) * 8
+    # no training data: distillation on calibration inputs, said out loud
+    assert cand.meta["finetune_data"] == "calibration"
+    assert any("calibration inputs" in w for w in ctx.warnings)
+
+
+def test_a_killed_run_resumes_from_the_last_finished_round(
+    digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    real = prune_mod.distill
+
+    def dies_in_round_2(*a: Any, **kw: Any) -> Any:
+        calls.append(kw["desc"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prune_mod, "distill", dies_in_round_2)
+    cfg = _cfg(rounds=3, target=0.4)
+    with pytest.raises(KeyboardInterrupt):
+        prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
+    calls.clear()
+    monkeypatch.setattr(
+        prune_mod, "distill", lambda *a, **kw: calls.append(kw["desc"]) or real(*a, **kw)
+    )
+    cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
+    assert cand.meta["resumed_after_round"] == 1
+    assert calls == ["prune round 2/3", "prune round 3/3"]
+    assert [r["round"] for r in cand.meta["rounds"]] == [1, 2, 3]
+    assert cand.meta["macs"]["removed"] >= 0.4
+
+
+def test_unreachable_target_is_a_recipe_error(digits: Task, tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match=r"unreachable: .* at most \d+\.\d% can be removed"):
+        prune_step(_cfg(target=0.9), _fp32(digits), make_context(digits, tmp_path))
+
+
+def test_fine_tuning_on_train_data_needs_train_data(digits: Task, tmp_path: Path) -> None:
+    no_train = dataclasses.replace(digits, train_data=None)
+    cfg = _cfg(finetune={**FAST, "data": "train"})
+    with pytest.raises(DataError, match="no train_data"):
+        prune_step(cfg, _fp32(digits), make_context(no_train, tmp_path))
+
+
+def test_an_onnx_only_candidate_cannot_be_pruned(digits: Task, tmp_path: Path) -> None:
+    with pytest.raises(StepError, match="needs a torch model"):
+        prune_step(
+            _cfg(),
+            Candidate("x", "fp32", None, onnx=tmp_path / "m.onnx"),
+            make_context(digits, tmp_path),
+        )
+
+
+def test_config_round_trips_through_a_recipe() -> None:
+    rec = recipe_from_dict(
+        {
+            "name": "r",
+            "task": "t.py",
+            "steps": [
+                "export",
+                {"prune": {"target": 0.4, "plan": {"a": 0.5}, "finetune": {"steps": 5}}},
+            ],
+        }
+    )
+    again = recipe_from_dict(rec.to_dict())
+    assert again == rec and isinstance(rec.steps[1], PruneConfig)
+    with pytest.raises(RecipeError, match="unknown key"):
+        recipe_from_dict({"name": "r", "task": "t.py", "steps": [{"prune": {"traget": 0.4}}]})
+    with pytest.raises(RecipeError, match="ratios"):
+        recipe_from_dict(
+            {"name": "r", "task": "t.py", "steps": [{"prune": {"ratios": [0.1, 1.5]}}]}
+        )
