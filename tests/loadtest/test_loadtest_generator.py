@@ -181,7 +181,7 @@ def test_closed_plan_splits_users_and_open_plan_interleaves() -> None:
 def test_execute_runs_a_closed_plan_with_a_fake() -> None:
     rec = execute(lambda: FakeClient(latency=0.01), ClosedPlan(2, 0.3), PAYLOADS)
     assert 30 <= len(rec.scheduled) <= 62
-    assert np.all(rec.done - rec.sent >= 0.0099)
+    assert np.all(rec.done - rec.sent >= 0.008)  # uvloop timers may fire up to ~1 ms early
 
 
 def test_fake_client_serial_queues_in_order() -> None:

@@ -24,6 +24,7 @@ TOKEN_ENV = "SLIMLINE_API_TOKEN"
 
 def register(sub: Any) -> None:
     _register_loadtest(sub)
+    _register_capacity(sub)
 
 
 def _register_loadtest(sub: Any) -> None:
@@ -54,13 +55,53 @@ def _register_loadtest(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="client timeout per request (s)")
     p.add_argument("--processes", default="auto", help="generator processes: auto or N")
     p.add_argument(
-        "--max-lag-ms", type=float, default=10.0, help="schedule lag p99 that invalidates a run"
+        "--max-lag-ms",
+        type=float,
+        default=10.0,
+        help="schedule lag p99 that (above 10%% of latency p99 too) invalidates a run",
     )
     p.add_argument("--out", type=Path, help="write the result JSON here")
     p.add_argument(
         "--token-env", default=TOKEN_ENV, help=f"env var with the API token (default {TOKEN_ENV})"
     )
+    sw = p.add_argument_group("sweep (--sweep): raise the rate step by step and find the knee")
+    sw.add_argument("--sweep", action="store_true", help="run a sweep instead of one load test")
+    sw.add_argument("--slo-p99-ms", type=float, help="p99 SLO of the sweep (required with --sweep)")
+    sw.add_argument("--rates", help="comma-separated rates, ascending (default: geometric steps)")
+    sw.add_argument("--start-rate", type=float, default=10.0, help="first step (default 10)")
+    sw.add_argument("--factor", type=float, default=1.5, help="growth per step (default 1.5)")
+    sw.add_argument("--max-rate", type=float, default=100_000.0)
+    sw.add_argument("--max-steps", type=int, default=15)
+    sw.add_argument("--refine", type=int, default=2, help="bisection steps after the first failure")
+    sw.add_argument("--max-error-rate", type=float, default=0.01)
+    sw.add_argument("--no-scrape", action="store_true", help="do not read the server's /metrics")
+    sw.add_argument("--no-html", action="store_true", help="no .html/.png next to --out")
     p.set_defaults(func=_loadtest_cmd)
+
+
+def _register_capacity(sub: Any) -> None:
+    p = sub.add_parser(
+        "capacity",
+        help="machines needed for a peak load, from a sweep; writes Prometheus alert rules",
+        description="Per-machine capacity is the sweep's knee at the p99 SLO; machines = "
+        "ceil(peak / (capacity x (1 - headroom))). Alert rules: warn from 70%% of capacity, "
+        "act above 85%%.",
+    )
+    p.add_argument("result", type=Path, help="sweep (or load test) result JSON")
+    p.add_argument("--peak-qps", type=float, required=True)
+    p.add_argument("--slo-p99-ms", type=float, required=True)
+    p.add_argument(
+        "--headroom", type=float, default=0.40, help="share of capacity free at peak (0.3-0.5)"
+    )
+    p.add_argument("--model", help="model label for the rules (default: from the result)")
+    p.add_argument(
+        "--requests-metric",
+        default="slimline_requests_total",
+        help="the servers' request counter (labels: model, instance)",
+    )
+    p.add_argument("--out", type=Path, help="write the plan JSON here")
+    p.add_argument("--rules", type=Path, help="write Prometheus alert rules (YAML) here")
+    p.set_defaults(func=_capacity_cmd)
 
 
 def _config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,8 +192,120 @@ def _finish(result: dict[str, Any], out: Path | None) -> int:
 def _loadtest_cmd(args: argparse.Namespace) -> int:
     from .run import run_loadtest
 
+    if args.sweep:
+        return _sweep_cmd(args)
     cfg = build_config(args)
     with ctrl_c_stops() as stop:
         result = run_loadtest(cfg, stop=stop)
     print_summary(result)
     return _finish(result, args.out)
+
+
+def _sweep_config(args: argparse.Namespace) -> Any:
+    from .sweep import SweepConfig
+
+    if args.slo_p99_ms is None:
+        raise LoadTestError(
+            "--sweep needs --slo-p99-ms, the p99 latency target that defines the knee"
+        )
+    try:
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    except ValueError:
+        raise LoadTestError(
+            f"--rates must be numbers separated by commas, not {args.rates!r}"
+        ) from None
+    try:
+        return SweepConfig(
+            slo_p99_ms=args.slo_p99_ms,
+            rates=rates,
+            start_rate=args.start_rate,
+            factor=args.factor,
+            max_rate=args.max_rate,
+            max_steps=args.max_steps,
+            refine=args.refine,
+            max_error_rate=args.max_error_rate,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise LoadTestError(
+            f"sweep {'.'.join(map(str, first['loc'])) or 'settings'}: {first['msg']}"
+        ) from None
+
+
+def _sweep_cmd(args: argparse.Namespace) -> int:
+    from .report import write_standalone
+    from .run import preflight
+    from .sweep import http_step_runner, run_sweep
+
+    if args.concurrency is not None or args.replay is not None:
+        raise LoadTestError("--sweep raises an open-loop rate; drop --concurrency/--replay")
+    sweep_cfg = _sweep_config(args)
+    args.rate = sweep_cfg.rates[0] if sweep_cfg.rates else sweep_cfg.start_rate
+    base = build_config(args)
+    with ctrl_c_stops() as stop:
+        from .payload import build_payloads, load_samples
+
+        payloads = build_payloads(
+            load_samples(base.inputs or base.model), base.encoding, base.batch_size
+        )
+        preflight(base.url, base.model, payloads[0], base.token)
+        runner = http_step_runner(base, scrape=not args.no_scrape, stop=stop)
+        doc = run_sweep(sweep_cfg, runner, {"url": base.url, "model": base.model}, stop=stop)
+    _print_sweep(doc)
+    if args.out is not None:
+        write_json(args.out, doc)
+        print(f"wrote {args.out}")
+        if not args.no_html:
+            for path in write_standalone(doc, args.out):
+                print(f"wrote {path}")
+    if doc["partial"]:
+        print("interrupted: the sweep is PARTIAL", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _print_sweep(doc: dict[str, Any]) -> None:
+    for s in doc["steps"]:
+        lat = s["latency_ms"]
+        p99 = "-" if lat["p99"] is None else f"{lat['p99']:.2f}"
+        print(
+            f"  offered {s['offered_rate']:9.1f}  achieved {s['achieved_rate']:9.1f}  "
+            f"p99 {p99:>8} ms  errors {s['error_rate']:6.2%}  {s['why']}"
+        )
+    knee = doc["knee"]
+    if knee:
+        print(
+            f"knee: {knee['offered_rate']:.1f} requests/s (p99 {knee['latency_ms']['p99']:.2f} ms "
+            f"<= {doc['slo_p99_ms']:g} ms)"
+        )
+    else:
+        print(f"no step met p99 <= {doc['slo_p99_ms']:g} ms")
+
+
+def _capacity_cmd(args: argparse.Namespace) -> int:
+    from .capacity import alert_rules, plan_capacity, write_rules
+    from .result import read_result
+
+    doc = read_result(args.result)
+    plan = plan_capacity(doc, args.peak_qps, args.slo_p99_ms, args.headroom, str(args.result))
+    if args.model:
+        plan["model"] = args.model
+    down = plan["load_at_peak_minus_one"]
+    print(
+        f"capacity {plan['capacity_per_machine']:.1f} requests/s per machine at p99 <= {args.slo_p99_ms:g} ms"
+    )
+    print(
+        f"machines for {args.peak_qps:g} QPS with {args.headroom:.0%} headroom: {plan['machines']} "
+        f"(each {plan['load_at_peak']:.0%} loaded at peak"
+        + ("" if down is None else f", {down:.0%} with one machine down")
+        + ")"
+    )
+    for note in plan["notes"]:
+        print(f"note: {note}")
+    if args.out is not None:
+        write_json(args.out, plan)
+        print(f"wrote {args.out}")
+    if args.rules is not None:
+        write_rules(args.rules, alert_rules(plan, args.requests_metric))
+        print(f"wrote {args.rules}")
+    return 0

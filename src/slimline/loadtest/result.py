@@ -35,7 +35,7 @@ from ..errors import LoadTestError
 from .client import OUTCOMES
 from .generator import UNFINISHED, Records
 
-__all__ = ["CDF_QUANTILES", "read_result", "summarize", "write_json"]
+__all__ = ["CDF_QUANTILES", "atomic_write", "read_result", "summarize", "write_json"]
 
 SCHEMA = 1
 CDF_QUANTILES = np.unique(
@@ -126,26 +126,44 @@ def _cdf(latency_ms: np.ndarray) -> list[list[float]]:
 
 
 def invalid_reason(result: dict[str, Any], max_lag_ms: float) -> str | None:
-    """Why the measurement cannot be trusted, or ``None``."""
+    """Why the measurement cannot be trusted, or ``None``.
+
+    Lag adds to every latency (they count from the scheduled time), so a run is invalid when the
+    lag p99 exceeds ``max_lag_ms`` *and* a tenth of the latency p99: a late client then distorts
+    the figures it reports. A 10 ms lag behind a 2 s overload queue does not.
+    """
     if result["requests"] == 0:
         return "no request was scheduled in the measurement window; raise --duration or --rate"
     lag_p99 = result["schedule_lag_ms"]["p99"]
-    if result["mode"] == "open" and lag_p99 is not None and lag_p99 > max_lag_ms:
+    lat_p99 = result["latency_ms"]["p99"] or 0.0
+    if (
+        result["mode"] == "open"
+        and lag_p99 is not None
+        and lag_p99 > max(max_lag_ms, 0.1 * lat_p99)
+    ):
         return (
-            f"schedule lag p99 {lag_p99:.1f} ms exceeds --max-lag-ms {max_lag_ms:g}: the generator "
-            "could not keep the schedule; add --processes or lower --rate"
+            f"schedule lag p99 {lag_p99:.1f} ms exceeds --max-lag-ms {max_lag_ms:g} (and 10% of "
+            f"latency p99 {lat_p99:.1f} ms): the generator could not keep the schedule; add "
+            "--processes or lower --rate"
         )
     return None
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """Write ``doc`` atomically (temp file + rename); NaN becomes null."""
+    atomic_write(path, (json.dumps(_clean(doc), indent=1) + "\n").encode())
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp file beside ``path``, then rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_clean(doc), indent=1)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text + "\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,128 @@
+"""Knee detection with synthetic steps, a real sweep against a one-at-a-time stub, the plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slimline.loadtest import cli as lt_cli
+from slimline.loadtest.report import _section, write_standalone
+from slimline.loadtest.stubserver import stub_server
+from slimline.loadtest.sweep import SweepConfig, find_knee, judge_step, run_sweep
+
+
+def _step(rate: float, p99: float, achieved: float | None = None, errors: float = 0.0) -> dict:
+    lat = {"p50": p99 / 2, "p95": p99 * 0.9, "p99": p99, "p999": p99 * 1.2, "max": p99 * 1.5}
+    return {
+        "offered_rate": rate,
+        "achieved_rate": rate if achieved is None else achieved,
+        "latency_ms": lat,
+        "error_rate": errors,
+        "config": {"rate": rate},
+        "valid": True,
+        "latency_cdf_ms": [[0.5, p99 / 2], [0.99, p99], [1.0, p99 * 1.5]],
+    }
+
+
+def test_judge_step_names_the_failed_criterion() -> None:
+    assert judge_step(_step(100, 10), 50, 0.01, 0.95) == (True, "within SLO")
+    assert "p99 60.0 ms > SLO 50 ms" in judge_step(_step(100, 60), 50, 0.01, 0.95)[1]
+    assert "errors 2.0%" in judge_step(_step(100, 10, errors=0.02), 50, 0.01, 0.95)[1]
+    assert "achieved 90.0 < 0.95" in judge_step(_step(100, 10, achieved=90), 50, 0.01, 0.95)[1]
+
+
+def test_knee_is_the_highest_pass_below_the_first_failure() -> None:
+    steps = [_step(10, 5), _step(20, 8), _step(40, 70), _step(30, 20), _step(80, 40)]
+    # 80 rps passes by luck but lies above a failing rate: it is not the knee
+    assert find_knee(steps, 50) == 3
+    assert find_knee([_step(10, 60)], 50) is None
+
+
+def test_sweep_climbs_stops_and_refines() -> None:
+    asked: list[float] = []
+
+    def runner(rate: float) -> dict:  # a server whose p99 explodes above 100 rps
+        asked.append(rate)
+        return _step(rate, 10 if rate <= 100 else 500)
+
+    doc = run_sweep(
+        SweepConfig(slo_p99_ms=50, start_rate=20, factor=2, refine=2, pause_s=0), runner
+    )
+    assert asked[:4] == [20, 40, 80, 160]
+    assert asked[4] == pytest.approx(np.sqrt(80 * 160))  # ~113: fails
+    assert asked[5] == pytest.approx(np.sqrt(80 * np.sqrt(80 * 160)))  # ~95: passes
+    assert doc["knee"]["offered_rate"] == pytest.approx(asked[5])
+    assert [s["offered_rate"] for s in doc["steps"]] == sorted(asked)
+    assert doc["stopped_because"].startswith("step at 160 rps failed")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    lt_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_sweep_finds_the_knee_of_a_one_at_a_time_server(tmp_path: Path) -> None:
+    """10 ms per request, one at a time: capacity 100 rps, so the knee lies below it."""
+    npz = tmp_path / "s.npz"
+    np.savez(npz, x=np.ones((8, 4), np.float32))
+    out = tmp_path / "sweep.json"
+    with stub_server("--delay-ms", "10", "--serial") as url:
+        code = _cli(
+            [
+                "loadtest",
+                url,
+                "--model",
+                "stub",
+                "--inputs",
+                str(npz),
+                "--sweep",
+                "--slo-p99-ms",
+                "60",
+                "--rates",
+                "20,40,160",
+                "--refine",
+                "1",
+                "--duration",
+                "1.5",
+                "--warmup",
+                "0.3",
+                "--arrival",
+                "constant",
+                "--max-lag-ms",
+                "50",  # this test is about the knee; the shared test machine may be busy
+                "--out",
+                str(out),
+            ]
+        )
+    doc = json.loads(out.read_text())
+    assert code == 0 and doc["kind"] == "sweep"
+    top = doc["steps"][-1]
+    assert top["offered_rate"] == pytest.approx(160, rel=0.02) and not top["passed"]
+    assert top["achieved_rate"] < 110  # the server cannot do more than 100/s
+    assert 40 <= doc["knee"]["offered_rate"] < 100
+    # server-side figures scraped from the stub's /metrics
+    assert top["server"]["queue_depth_max"] > 5 and top["server"]["batch_size_mean"] == 1.0
+    assert out.with_suffix(".html").read_text().count("<img") == 3
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    html = _section({}, tmp_path)
+    assert html is not None and "Knee" in html
+
+
+def test_standalone_html_for_a_single_load_test(tmp_path: Path) -> None:
+    doc = {
+        **_step(50, 20),
+        "kind": "loadtest",
+        "mode": "open",
+        "requests": 100,
+        "schedule_lag_ms": {"p99": 0.5},
+        "partial": True,
+    }
+    paths = write_standalone(doc, tmp_path / "lt.json")
+    assert [p.name for p in paths] == ["lt.html"]
+    assert "PARTIAL" in paths[0].read_text()
