@@ -16,7 +16,7 @@ __all__ = ["SECTION_MODULES", "Section", "section", "sections"]
 
 Section = Callable[[dict[str, Any], Path], "str | None"]
 
-SECTION_MODULES: tuple[str, ...] = ("slimline.report.core",)
+SECTION_MODULES: tuple[str, ...] = ("slimline.report.core", "slimline.loadtest.report")
 
 _SECTIONS: list[tuple[int, str, Section]] = []
 
