@@ -16,7 +16,11 @@ __all__ = ["SECTION_MODULES", "Section", "section", "sections"]
 
 Section = Callable[[dict[str, Any], Path], "str | None"]
 
-SECTION_MODULES: tuple[str, ...] = ("slimline.report.core", "slimline.loadtest.report")
+SECTION_MODULES: tuple[str, ...] = (
+    "slimline.report.core",
+    "slimline.loadtest.report",
+    "slimline.report.pruning",
+)
 
 _SECTIONS: list[tuple[int, str, Section]] = []
 

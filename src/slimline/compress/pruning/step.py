@@ -390,6 +390,24 @@ def _export(ctx: StepContext, module: Any) -> tuple[Path, dict[str, Any]]:
     return path, verify_export(module, path, sample, cfg, ctx.threads)
 
 
+def _torch_view(ctx: StepContext, teacher: Any, pruned: Any) -> dict[str, Any] | None:
+    """Metric, fidelity and interleaved latency of the pruned model in PyTorch against the FP32
+    PyTorch model: the PyTorch half of the report's four-way table."""
+    if ctx._compare is None:  # a context without a benchmark (library use, unit tests)
+        return None
+    quality = ctx.evaluate(Candidate("prune-torch", "prune", None, module=pruned))
+    lat = ctx.compare([
+        Candidate("fp32-torch", "fp32", None, module=teacher),
+        Candidate("prune-torch", "prune", None, module=pruned),
+    ])
+    return {
+        "metric": quality.metric,
+        "fidelity": quality.fidelity_dict(),
+        "latency_ms": lat["prune-torch"]["latency_ms"],
+        "fp32_latency_ms": lat["fp32-torch"]["latency_ms"],
+    }
+
+
 def _input_module(cand: Candidate) -> Any:
     if cand.module is None:
         raise StepError(
@@ -466,6 +484,7 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
             "removed": 1 - params_after / cost.total_params,
         },
         "export_check": check,
+        "torch": _torch_view(ctx, teacher, pruned),
         **files,
     }
     state.clear()
