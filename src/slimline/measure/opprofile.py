@@ -1,0 +1,146 @@
+"""Per-operator time from the ONNX Runtime profiler, aggregated by op type and by node.
+
+The session runs with profiling on (``SessionOptions.enable_profiling``) and the same thread
+settings as every other measurement (intra-op = threads, inter-op = 1, sequential). After
+``warmup`` unprofiled-in-effect runs, ``runs`` runs are recorded; the JSON trace that
+``end_profiling()`` writes is parsed and deleted. Kernel time is the ``dur`` of each ``Node``
+event named ``<node>_kernel_time``; only events after the warm-up runs' ``model_run`` events count.
+Shares are of the summed kernel time, so they sum to 1 (framework overhead between kernels is
+reported separately as ``overhead_share`` of the wall time of the recorded runs).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelFileError
+from ..task import Inputs
+
+__all__ = ["aggregate", "kernel_events", "profile_ops"]
+
+_KERNEL_SUFFIX = "_kernel_time"
+
+
+def profile_ops(
+    onnx_path: Path | str,
+    inputs: Inputs,
+    threads: int,
+    runs: int = 50,
+    top: int = 15,
+    warmup: int = 5,
+    level: str = "all",
+) -> dict[str, Any]:
+    """Run the model ``runs`` times on ``inputs`` under the profiler and aggregate kernel time.
+
+    Returns ``{"runs", "threads", "total_ms_per_run", "overhead_share", "by_op_type": [...],
+    "by_node": [...]}``; each list holds the ``top`` entries by total time, with ``total_ms``,
+    ``mean_ms_per_run``, ``share`` and ``count`` (kernel calls). Node names and op types are the
+    ones ONNX Runtime executes after its graph optimizations at ``level`` (``"disable"``,
+    ``"basic"``, ``"extended"`` or ``"all"``): fused nodes show under their fused names.
+    """
+    if runs < 1 or level not in _LEVELS:
+        raise ValueError(f"runs must be >= 1 and level one of {sorted(_LEVELS)}")
+    with tempfile.TemporaryDirectory(prefix="slimline-prof-") as tmp:
+        sess = _session(Path(onnx_path), threads, Path(tmp) / "ort", level)
+        feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
+        for _ in range(warmup + runs):
+            sess.run(None, feed)
+        trace = Path(sess.end_profiling())
+        try:
+            events = json.loads(trace.read_text())
+        finally:
+            trace.unlink(missing_ok=True)
+    kernels, wall_us = kernel_events(events, skip_runs=warmup)
+    result = aggregate(kernels, runs, top)
+    total_us = sum(k["dur"] for k in kernels)
+    result["threads"] = threads
+    result["overhead_share"] = max(0.0, 1.0 - total_us / wall_us) if wall_us > 0 else 0.0
+    return result
+
+
+_LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}
+
+
+def _session(path: Path, threads: int, prefix: Path, level: str) -> Any:
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise ModelFileError(f"ONNX file {path} does not exist; check the path")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel(_LEVELS[level])
+    so.enable_profiling = True
+    so.profile_file_prefix = str(prefix)
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
+        first = str(err).strip().splitlines()[0][:200]
+        raise ModelFileError(
+            f"ONNX Runtime cannot load {path} ({first}); the file is corrupt or not an ONNX "
+            "model: re-export it"
+        ) from None
+
+
+def kernel_events(
+    events: list[dict[str, Any]], skip_runs: int
+) -> tuple[list[dict[str, Any]], float]:
+    """Kernel events ``{"node", "op_type", "dur"}`` (dur in us) after the first ``skip_runs``
+    ``model_run`` events, and the summed wall time (us) of the runs kept."""
+    model_runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+        key=lambda e: e["ts"],
+    )
+    kept = model_runs[skip_runs:]
+    start = kept[0]["ts"] if kept else float("inf")
+    kernels = [
+        {
+            "node": e["name"][: -len(_KERNEL_SUFFIX)],
+            "op_type": e.get("args", {}).get("op_name", "?"),
+            "dur": float(e["dur"]),
+        }
+        for e in events
+        if e.get("cat") == "Node"
+        and str(e.get("name", "")).endswith(_KERNEL_SUFFIX)
+        and e.get("ts", 0) >= start
+    ]
+    return kernels, float(sum(e["dur"] for e in kept))
+
+
+def aggregate(kernels: list[dict[str, Any]], runs: int, top: int) -> dict[str, Any]:
+    """Totals by op type and by node, sorted by time, the ``top`` of each, with shares."""
+    total_us = sum(k["dur"] for k in kernels)
+    by_type: dict[str, list[float]] = defaultdict(list)
+    by_node: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for k in kernels:
+        by_type[k["op_type"]].append(k["dur"])
+        by_node[(k["node"], k["op_type"])].append(k["dur"])
+    types = [_row({"op_type": t}, d, runs, total_us) for t, d in by_type.items()]
+    nodes = [_row({"node": n, "op_type": t}, d, runs, total_us) for (n, t), d in by_node.items()]
+    return {
+        "runs": runs,
+        "total_ms_per_run": round(total_us / 1000 / runs, 6),
+        "op_types": len(types),
+        "nodes": len(nodes),
+        "by_op_type": sorted(types, key=lambda r: -r["total_ms"])[:top],
+        "by_node": sorted(nodes, key=lambda r: -r["total_ms"])[:top],
+    }
+
+
+def _row(key: dict[str, str], durs: list[float], runs: int, total_us: float) -> dict[str, Any]:
+    s = sum(durs)
+    return {
+        **key,
+        "total_ms": round(s / 1000, 6),
+        "mean_ms_per_run": round(s / 1000 / runs, 6),
+        "share": s / total_us if total_us > 0 else 0.0,
+        "count": len(durs),
+    }
