@@ -110,19 +110,22 @@ class Calibration:
 
 
 def rebatch(batches: Iterable[Inputs], rows: int, limit: int | None) -> Iterator[Inputs]:
-    """Re-cut ``batches`` into chunks of at most ``rows`` rows (merging only same-shaped rows)."""
+    """Re-cut ``batches`` into chunks of exactly ``rows`` rows (the last may be shorter; rows of
+    different shapes are never merged), up to ``limit`` rows in total."""
     buf: list[Inputs] = []
     have = 0
     for b in iter_rows(batches, limit):
-        n = len(next(iter(b.values())))
-        for start in range(0, n, rows):
-            part = {k: v[start : start + rows] for k, v in b.items()}
-            m = len(next(iter(part.values())))
-            if buf and (have + m > rows or not _same_shapes(buf[0], part)):
+        n, start = len(next(iter(b.values()))), 0
+        while start < n:
+            if buf and not _same_shapes(buf[0], b):
                 yield _concat(buf)
                 buf, have = [], 0
-            buf.append(part)
-            have += m
+            take = min(rows - have, n - start)
+            buf.append({k: v[start : start + take] for k, v in b.items()})
+            have, start = have + take, start + take
+            if have == rows:
+                yield _concat(buf)
+                buf, have = [], 0
     if buf:
         yield _concat(buf)
 

@@ -231,7 +231,9 @@ def _fuse_transformer(
                 opt_level=0,
             )
         stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
-        atomic_write_bytes(dst, opt.model.SerializeToString())
+        with tempfile.TemporaryDirectory() as tmp:
+            opt.save_model_to_file(str(Path(tmp) / "fused.onnx"))  # adds the com.microsoft opset
+            atomic_write_bytes(dst, (Path(tmp) / "fused.onnx").read_bytes())
         if not _agrees(src, dst, sample, threads):
             continue
         if best is None or stats.get("Attention", 0) > best[2].get("Attention", 0):
@@ -280,7 +282,7 @@ def quiet() -> _quiet:
 def _pre_process(src: Path, dst: Path, *, skip_optimization: bool, notes: list[str]) -> None:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    attempts = [
+    attempts: list[dict[str, bool]] = [
         {"auto_merge": True},
         {"skip_symbolic_shape": True},
     ]

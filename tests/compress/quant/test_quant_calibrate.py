@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from slimline.compress.quant.calibrate import calibrate, rebatch
+from slimline.compress.quant.distribution import analyse, recommend_calibration, weight_stats
+from slimline.compress.quant.prepare import prepare
+from slimline.errors import DataError, InputMismatchError
+from slimline.measure.runners import ort_session
+
+from quant_fixtures import batches, cnn_inputs
+
+
+@pytest.fixture(scope="module")
+def prepared(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    return prepare(cnn_onnx, tmp_path_factory.mktemp("prep"), cnn_inputs(0, 1))
+
+
+def _true_ranges(model: Path, names: list[str], data: list[dict[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
+    m = onnx.load(str(model))
+    for n in names:
+        m.graph.output.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, None))
+    path = model.with_name("exposed.onnx")
+    onnx.save(m, str(path))
+    sess = ort_session(path, 1)
+    outs = [sess.run(names, d) for d in data]
+    return {n: (min(float(o[i].min()) for o in outs), max(float(o[i].max()) for o in outs)) for i, n in enumerate(names)}
+
+
+def test_rebatch_cuts_and_merges_rows_up_to_the_limit() -> None:
+    src = [cnn_inputs(i, n) for i, n in enumerate([3, 5, 2])]
+    sizes = [len(b["x"]) for b in rebatch(src, 4, limit=9)]
+    assert sizes == [4, 4, 1]
+    merged = np.concatenate([b["x"] for b in rebatch(src, 4, limit=9)])
+    np.testing.assert_array_equal(merged, np.concatenate([b["x"] for b in src])[:9])
+
+
+def test_minmax_ranges_are_exact_and_chunking_does_not_change_them(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = list(batches(cnn_inputs, 3, 8))
+    big = calibrate(prepared.path, data, tmp_path / "a", samples=24, methods={"minmax", "percentile"})
+    small = calibrate(prepared.path, data, tmp_path / "b", samples=24, methods={"minmax"}, chunk_mb=16)
+    assert big.samples == small.samples == 24
+    names = sorted(big.ranges)[:6]
+    truth = _true_ranges(prepared.path, names, data)
+    for n in names:
+        assert big.ranges[n] == pytest.approx(truth[n], rel=1e-5, abs=1e-6)
+        assert small.ranges[n] == pytest.approx(truth[n], rel=1e-5, abs=1e-6)
+    # the caches are ONNX Runtime calibration caches, and Percentile clips inside MinMax
+    mm = json.loads((tmp_path / "a" / "calibration-minmax.json").read_text())
+    pc = json.loads((tmp_path / "a" / "calibration-percentile.json").read_text())
+    assert set(mm) >= set(names) or "data" in mm
+    assert big.peak_rss_mb > 0 and big.wall_s > 0
+    assert pc
+
+
+def test_calibration_memory_budget_sets_the_chunk_size(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = list(batches(cnn_inputs, 2, 8))
+    assert calibrate(prepared.path, data, tmp_path / "a", samples=16, methods={"minmax"}).chunk_rows > 1
+    assert calibrate(prepared.path, data, tmp_path / "b", samples=16, methods={"minmax"}, chunk_mb=16).chunk_rows >= 1
+
+
+def test_bad_calibration_data_is_a_clear_error(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(DataError, match="no samples"):
+        calibrate(prepared.path, [], tmp_path / "e", samples=8, methods={"minmax"})
+    with pytest.raises(InputMismatchError, match="named"):
+        calibrate(prepared.path, [{"image": np.zeros((2, 3, 16, 16), np.float32)}], tmp_path / "n", samples=8, methods={"minmax"})
+    with pytest.raises(InputMismatchError, match="shape"):
+        calibrate(prepared.path, [{"x": np.zeros((2, 3, 8), np.float32)}], tmp_path / "s", samples=8, methods={"minmax"})
+
+
+def test_representativeness_flags_shifted_evaluation_inputs(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    calib = list(batches(cnn_inputs, 2, 16))
+    same = calibrate(prepared.path, calib, tmp_path / "same", samples=32, methods={"minmax"},
+                     eval_batches=list(batches(cnn_inputs, 1, 16, seed=50)), eval_samples=16)
+    shifted = calibrate(prepared.path, calib, tmp_path / "shift", samples=32, methods={"minmax"},
+                        eval_batches=list(batches(cnn_inputs, 1, 16, seed=50, scale=4.0)), eval_samples=16)
+    assert same.representativeness["eval_samples"] == 16
+    assert len(shifted.representativeness["flagged"]) > len(same.representativeness["flagged"])
+    worst = shifted.representativeness["flagged"][0]
+    assert worst["exceed_share"] > 0.5 and worst["max_overshoot"] > 0.05
+
+
+def test_distribution_analysis_recommends_percentile_for_heavy_outliers(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    calib = calibrate(prepared.path, list(batches(cnn_inputs, 2, 16)), tmp_path / "d", samples=32, methods={"minmax"})
+    w = weight_stats(prepared.path, prepared.compute_nodes)
+    assert len(w) == len(prepared.compute_nodes)
+    summary = analyse(calib, w)
+    assert summary["activation_tensors"] == len(calib.stats) and summary["histograms"]
+    for s in calib.stats.values():
+        assert s["min"] <= s["p1"] <= s["p50"] <= s["p99"] <= s["max"] + 1e-6
+    gaussian = {"min": -4.0, "max": 4.0, "range_ratio": 1.1, "outlier_share": 0.0}
+    spiky = {"min": -3.0, "max": 80.0, "range_ratio": 20.0, "outlier_share": 0.01}
+    assert recommend_calibration({f"t{i}": gaussian for i in range(10)})["method"] == "minmax"
+    rec = recommend_calibration({**{f"t{i}": gaussian for i in range(8)}, "a": spiky, "b": spiky})
+    assert rec["method"] == "percentile" and ("a at" in rec["reason"] or "b at" in rec["reason"])

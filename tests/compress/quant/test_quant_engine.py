@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from slimline.compress.quant.calibrate import calibrate
+from slimline.compress.quant.config import QuantSpec
+from slimline.compress.quant.engine import quantize_model
+from slimline.compress.quant.fallback import fallback_warning, kernel_report
+from slimline.compress.quant.layerwise import error_statement, layer_errors
+from slimline.compress.quant.plan import resolve_plan
+from slimline.compress.quant.prepare import prepare
+from slimline.errors import StepError
+from slimline.measure.quality import fidelity
+from slimline.measure.runners import ort_session
+
+from quant_fixtures import batches, cnn_inputs, text_inputs
+
+
+@pytest.fixture(scope="module")
+def cnn(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    out = tmp_path_factory.mktemp("cnnq")
+    prepared = prepare(cnn_onnx, out, cnn_inputs(0, 1))
+    calib = calibrate(prepared.path, list(batches(cnn_inputs, 4, 16)), out, samples=64, methods={"minmax", "percentile"})
+    return prepared, calib, out
+
+
+def _outputs(path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    return np.asarray(ort_session(path, 1).run(None, inputs)[0], np.float32)
+
+
+def test_prepare_folds_batchnorm_and_lists_compute_nodes(cnn) -> None:  # type: ignore[no-untyped-def]
+    prepared, _, _ = cnn
+    assert "BatchNormalization" not in prepared.ops
+    assert [prepared.op_type[n] for n in prepared.compute_nodes] == ["Conv"] * 4 + ["Gemm"]
+    assert not prepared.transformer and not prepared.matmul_heavy
+
+
+def test_u8s8_per_channel_runs_every_quantized_conv_as_an_integer_kernel(cnn) -> None:  # type: ignore[no-untyped-def]
+    prepared, calib, out = cnn
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=True)
+    q = quantize_model(prepared.path, out / "u8s8.onnx", QuantSpec("static"), plan.float_nodes, calib.caches)
+    report = kernel_report(q)
+    assert report["int8_kernels"] == len(plan.int8_nodes) == 3
+    assert report["summary"] == "3 of 5 quantizable ops run INT8"
+    assert report["fallback"] == [] and report["float_by_choice"] == 2
+    assert fallback_warning("u8s8", report) is None
+    x = cnn_inputs(7, 8)
+    fid = fidelity(_outputs(q, x), _outputs(prepared.path, x), logits=True)
+    assert fid["cosine_mean"] > 0.99
+
+
+def test_s8s8_fallback_is_detected_and_named(cnn) -> None:  # type: ignore[no-untyped-def]
+    """With quantize_static's defaults (S8 activations and weights, per-tensor) ONNX Runtime leaves
+    some Convs as float kernels between the Q/DQ pairs. The report must say so, and name them."""
+    prepared, calib, out = cnn
+    spec = QuantSpec("static", activation_type="int8", per_channel=False)
+    q = quantize_model(prepared.path, out / "s8s8.onnx", spec, [], calib.caches)
+    report = kernel_report(q)
+    assert [f["node"] for f in report["fallback"]] == ["/c2/Conv", "/c3/Conv"], report
+    assert report["summary"] == "3 of 5 quantizable ops run INT8"
+    warning = fallback_warning("s8s8", report)
+    assert warning is not None and "float kernels between Q/DQ pairs" in warning
+
+
+def test_layerwise_error_is_high_sqnr_and_ranked(cnn) -> None:  # type: ignore[no-untyped-def]
+    prepared, calib, out = cnn
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
+    q = quantize_model(prepared.path, out / "all.onnx", QuantSpec("static"), [], calib.caches)
+    rows = layer_errors(prepared.path, q, plan.int8_nodes, batches(cnn_inputs, 1, 8, seed=30), 8)
+    assert {r["node"] for r in rows} == set(plan.int8_nodes)
+    assert all(r["sqnr_db"] > 20 and r["cosine"] > 0.99 for r in rows)  # INT8 per-channel on a tiny CNN
+    scores = [r["added_nsr"] for r in rows]
+    assert scores == sorted(scores, reverse=True)
+    text = error_statement(rows)
+    assert rows[0]["node"] in text and rows[0]["op_type"] in text
+    # a bad range makes its node the worst one
+    worse = layer_errors(prepared.path, _sabotaged(q, out), plan.int8_nodes, batches(cnn_inputs, 1, 8, seed=30), 8)
+    assert worse[0]["sqnr_db"] < rows[-1]["sqnr_db"]
+
+
+def _sabotaged(q: Path, out: Path) -> Path:
+    """Multiply one activation scale by 40: that tensor loses most of its resolution."""
+    m = onnx.load(str(q))
+    scale = next(i for i in m.graph.initializer if i.name.endswith("_scale") and "Relu_1" in i.name)
+    arr = onnx.numpy_helper.to_array(scale) * 40
+    scale.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), scale.name))
+    path = out / "sabotaged.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+def test_dynamic_quantization_of_a_transformer(encoder_onnx: Path, tmp_path: Path) -> None:
+    prepared = prepare(encoder_onnx, tmp_path, text_inputs(0, 1))
+    assert prepared.transformer and prepared.matmul_heavy
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
+    q = quantize_model(prepared.path, tmp_path / "dyn.onnx", QuantSpec("dynamic"), [], None)
+    report = kernel_report(q)
+    assert report["int8_kernels"] >= 4, report
+    x = text_inputs(5, 4)
+    fid = fidelity(_outputs(q, x), _outputs(encoder_onnx, x), logits=False)
+    assert fid["cosine_mean"] > 0.98
+    rows = layer_errors(prepared.path, q, plan.int8_nodes, [text_inputs(9, 4)], 4)
+    assert rows and all(r["sqnr_db"] is None or r["sqnr_db"] > 10 for r in rows)
+
+
+def test_prepare_undoes_runtime_fusions(cnn_onnx: Path, tmp_path: Path) -> None:
+    """A graph saved by ONNX Runtime's extended optimizer holds FusedConv; quantization needs Conv."""
+    fused = tmp_path / "fused.onnx"
+    ort_session(cnn_onnx, 1, optimized_out=fused, level="extended")
+    assert any(n.op_type == "FusedConv" for n in onnx.load(str(fused)).graph.node)
+    prepared = prepare(fused, tmp_path / "p", cnn_inputs(0, 1))
+    assert "FusedConv" not in prepared.ops and prepared.ops.get("Conv") == 4
+    assert any("FusedConv" in n for n in prepared.notes)
+
+
+def test_a_model_with_nothing_quantizable_is_an_error(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    with pytest.raises(StepError, match="nothing to quantize"):
+        prepare(path, tmp_path / "p", {"x": np.ones((1, 4), np.float32)})
