@@ -18,13 +18,14 @@ __all__ = ["four_way", "pruning"]
 
 def _prune_candidates(m: dict[str, Any]) -> list[dict[str, Any]]:
     return [
-        c for c in m.get("candidates", [])
+        c
+        for c in m.get("candidates", [])
         if c.get("step") == "prune" and not c.get("alternative") and c.get("meta", {}).get("macs")
     ]
 
 
 def _short(name: str, keep: int = 34) -> str:
-    return name if len(name) <= keep else "…" + name[-(keep - 1):]
+    return name if len(name) <= keep else "…" + name[-(keep - 1) :]
 
 
 def _facts(c: dict[str, Any]) -> str:
@@ -34,20 +35,36 @@ def _facts(c: dict[str, Any]) -> str:
     rows = [
         ["MACs (batch 1)", f"{macs['before']:,} → {macs['after']:,} (−{macs['removed']:.1%})"],
         ["parameters", f"{params['before']:,} → {params['after']:,} (−{params['removed']:.1%})"],
-        ["target", f"{fmt(planned.get('target'), 2)} of {planned.get('by', '-')}" if planned.get("target")
-         else "plan given in the recipe"],
+        [
+            "target",
+            f"{fmt(planned.get('target'), 2)} of {planned.get('by', '-')}"
+            if planned.get("target")
+            else "plan given in the recipe",
+        ],
         ["predicted loss", fmt(planned.get("predicted_loss"), 4)],
         ["importance", html.escape(", ".join(meta.get("importance") or []) or "-")],
         ["fine-tuning data", html.escape(str(meta.get("finetune_data")))],
-        ["rounds", f"{len(meta.get('rounds', []))} (resumed after round {meta.get('resumed_after_round', 0)})"],
-        ["sensitivity sweep", f"{sweep.get('jobs', '-')} jobs, {sweep.get('seconds', '-')} s, "
-         f"{html.escape(str(sweep.get('backend', '-')))}, {sweep.get('samples', '-')} samples" if sweep
-         else "skipped (plan given)"],
-        ["decision", f"{'kept' if c.get('accepted') else 'rejected'}: {html.escape(c.get('reason') or '')}"],
+        [
+            "rounds",
+            f"{len(meta.get('rounds', []))} (resumed after round {meta.get('resumed_after_round', 0)})",
+        ],
+        [
+            "sensitivity sweep",
+            f"{sweep.get('jobs', '-')} jobs, {sweep.get('seconds', '-')} s, "
+            f"{html.escape(str(sweep.get('backend', '-')))}, {sweep.get('samples', '-')} samples"
+            if sweep
+            else "skipped (plan given)",
+        ],
+        [
+            "decision",
+            f"{'kept' if c.get('accepted') else 'rejected'}: {html.escape(c.get('reason') or '')}",
+        ],
     ]
     skipped = meta.get("skipped_groups") or {}
     if skipped:
-        rows.append(["not prunable", html.escape("; ".join(f"{k}: {v}" for k, v in skipped.items()))])
+        rows.append(
+            ["not prunable", html.escape("; ".join(f"{k}: {v}" for k, v in skipped.items()))]
+        )
     return table(["", ""], rows)
 
 
@@ -83,8 +100,14 @@ def _box(x: int, y: int) -> Any:
 def _plan_table(meta: dict[str, Any]) -> str:
     plan = meta.get("plan") or {}
     rows = [
-        [html.escape(n), g["kind"], g["size"], g["kept"], f"{plan.get(n, 0.0):.0%}",
-         f"{1 - g['kept'] / g['size']:.0%}"]
+        [
+            html.escape(n),
+            g["kind"],
+            g["size"],
+            g["kept"],
+            f"{plan.get(n, 0.0):.0%}",
+            f"{1 - g['kept'] / g['size']:.0%}",
+        ]
         for n, g in meta.get("groups", {}).items()
     ]
     return table(["group", "kind", "size", "kept", "planned ratio", "removed"], rows)
@@ -99,12 +122,20 @@ def _rounds_table(meta: dict[str, Any]) -> str:
         ft = r.get("finetune") or {}
         removed = sum(r.get("removed_units", {}).values())
         early = " (early stop)" if ft.get("stopped_early") else ""
-        rows.append([
-            r["round"], removed, f"{r['macs']:,}", fmt(r["metric"], 4), fmt(r["cosine_mean"], 4),
-            f"{ft.get('steps', 0)}{early}: {fmt(ft.get('val_before'), 4)} → {fmt(ft.get('val_after'), 4)}",
-            fmt(r.get("seconds"), 1),
-        ])
-    return table(["round", "units removed", "MACs", "metric", "cosine", "fine-tune steps: loss", "s"], rows)
+        rows.append(
+            [
+                r["round"],
+                removed,
+                f"{r['macs']:,}",
+                fmt(r["metric"], 4),
+                fmt(r["cosine_mean"], 4),
+                f"{ft.get('steps', 0)}{early}: {fmt(ft.get('val_before'), 4)} → {fmt(ft.get('val_after'), 4)}",
+                fmt(r.get("seconds"), 1),
+            ]
+        )
+    return table(
+        ["round", "units removed", "MACs", "metric", "cosine", "fine-tune steps: loss", "s"], rows
+    )
 
 
 @section(200, "Structured pruning")
@@ -118,21 +149,44 @@ def pruning(m: dict[str, Any], run_dir: Path) -> str | None:
         parts.append(f"<h3>{html.escape(c['name'])}</h3>" + _facts(c))
         heat = _heatmap(meta)
         if heat:
-            parts.append("<p>Sensitivity map: each group pruned alone; the plan is boxed.</p>" + heat)
-        parts.append("<p>Plan (copy <code>plan</code> from the manifest into the recipe to edit "
-                     "and rerun it):</p>" + _plan_table(meta))
-        parts.append("<p>Rounds of pruning, each recovered by distillation:</p>" + _rounds_table(meta))
+            parts.append(
+                "<p>Sensitivity map: each group pruned alone; the plan is boxed.</p>" + heat
+            )
+        parts.append(
+            "<p>Plan (copy <code>plan</code> from the manifest into the recipe to edit "
+            "and rerun it):</p>" + _plan_table(meta)
+        )
+        parts.append(
+            "<p>Rounds of pruning, each recovered by distillation:</p>" + _rounds_table(meta)
+        )
     return "".join(parts)
 
 
-def _row(label: str, runtime: str, metric: Any, fid: dict[str, Any], p50: Any, ratio: Any) -> list[Any]:
-    return [label, runtime, fmt(metric, 4), fmt(fid.get("cosine_mean"), 4),
-            fmt(fid.get("top1_agreement"), 4), fmt(p50, 3), ratio]
+def _row(
+    label: str, runtime: str, metric: Any, fid: dict[str, Any], p50: Any, ratio: Any
+) -> list[Any]:
+    return [
+        label,
+        runtime,
+        fmt(metric, 4),
+        fmt(fid.get("cosine_mean"), 4),
+        fmt(fid.get("top1_agreement"), 4),
+        fmt(p50, 3),
+        ratio,
+    ]
+
+
+def _label(c: dict[str, Any]) -> str:
+    kept = "" if c.get("accepted") else ", rejected"
+    return f"optimized ({html.escape(c['name'])}{kept})"
 
 
 def _measured(c: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
-    return ((c.get("metric") or {}).get("value"), c.get("fidelity") or {},
-            (c.get("latency_ms") or {}).get("p50"))
+    return (
+        (c.get("metric") or {}).get("value"),
+        c.get("fidelity") or {},
+        (c.get("latency_ms") or {}).get("p50"),
+    )
 
 
 @section(210, "FP32 vs optimized: PyTorch and ONNX Runtime")
@@ -148,12 +202,29 @@ def four_way(m: dict[str, Any], run_dir: Path) -> str | None:
     rows = [
         _row("FP32", "PyTorch", *ft, "1.00x"),
         _row("FP32", "ONNX Runtime", *fo, "1.00x"),
-        _row(f"optimized ({html.escape(pruned[-1]['name'])})", "PyTorch", torch_view["metric"],
-             torch_view["fidelity"], t_p50, f"{t_p50 / t_base:.2f}x"),
-        _row(f"optimized ({html.escape(selected['name'])})", "ONNX Runtime", *so,
-             f"{so[2] / fo[2]:.2f}x" if so[2] and fo[2] else "-"),
+        _row(
+            _label(pruned[-1]),
+            "PyTorch",
+            torch_view["metric"],
+            torch_view["fidelity"],
+            t_p50,
+            f"{t_p50 / t_base:.2f}x",
+        ),
+        _row(
+            _label(selected),
+            "ONNX Runtime",
+            *so,
+            f"{so[2] / fo[2]:.2f}x" if so[2] and fo[2] else "-",
+        ),
     ]
-    note = ("<p>Latency p50 at batch 1. Ratios are against FP32 on the same runtime, measured "
-            "interleaved in one session (the PyTorch pair during the prune step, the ONNX Runtime "
-            "candidates in the final benchmark).</p>")
-    return table(["model", "runtime", "metric", "cosine", "top-1 agreement", "p50 ms", "vs FP32"], rows) + note
+    note = (
+        "<p>Latency p50 at batch 1. Ratios are against FP32 on the same runtime, measured "
+        "interleaved in one session (the PyTorch pair during the prune step, the ONNX Runtime "
+        "candidates in the final benchmark).</p>"
+    )
+    return (
+        table(
+            ["model", "runtime", "metric", "cosine", "top-1 agreement", "p50 ms", "vs FP32"], rows
+        )
+        + note
+    )

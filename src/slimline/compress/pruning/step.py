@@ -396,10 +396,12 @@ def _torch_view(ctx: StepContext, teacher: Any, pruned: Any) -> dict[str, Any] |
     if ctx._compare is None:  # a context without a benchmark (library use, unit tests)
         return None
     quality = ctx.evaluate(Candidate("prune-torch", "prune", None, module=pruned))
-    lat = ctx.compare([
-        Candidate("fp32-torch", "fp32", None, module=teacher),
-        Candidate("prune-torch", "prune", None, module=pruned),
-    ])
+    lat = ctx.compare(
+        [
+            Candidate("fp32-torch", "fp32", None, module=teacher),
+            Candidate("prune-torch", "prune", None, module=pruned),
+        ]
+    )
     return {
         "metric": quality.metric,
         "fidelity": quality.fidelity_dict(),
