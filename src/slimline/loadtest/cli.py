@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -25,6 +26,7 @@ TOKEN_ENV = "SLIMLINE_API_TOKEN"
 def register(sub: Any) -> None:
     _register_loadtest(sub)
     _register_capacity(sub)
+    _register_tune(sub)
 
 
 def _register_loadtest(sub: Any) -> None:
@@ -249,7 +251,7 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
             load_samples(base.inputs or base.model), base.encoding, base.batch_size
         )
         preflight(base.url, base.model, payloads[0], base.token)
-        runner = http_step_runner(base, scrape=not args.no_scrape, stop=stop)
+        runner = http_step_runner(base, scrape=not args.no_scrape, stop=stop, payloads=payloads)
         doc = run_sweep(sweep_cfg, runner, {"url": base.url, "model": base.model}, stop=stop)
     _print_sweep(doc)
     if args.out is not None:
@@ -309,3 +311,79 @@ def _capacity_cmd(args: argparse.Namespace) -> int:
         write_rules(args.rules, alert_rules(plan, args.requests_metric))
         print(f"wrote {args.rules}")
     return 0
+
+
+def _register_tune(sub: Any) -> None:
+    p = sub.add_parser(
+        "tune-serving",
+        help="pick the model variant and batcher settings with the most throughput within a p99 SLO",
+        description="Serve each accepted candidate of a run with several batcher settings, sweep "
+        "each for real, and write the configuration with the highest knee (coarse to fine, with "
+        "early stops on dominated configurations).",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory of `slimline optimize`")
+    p.add_argument("--slo-p99-ms", type=float, required=True)
+    p.add_argument("--variants", help="comma-separated candidate names (default: all accepted)")
+    p.add_argument("--max-batch-sizes", default="1,4,8,16,32")
+    p.add_argument("--queue-delays-ms", default="0.5,2,5")
+    p.add_argument("--instances", default="1,2")
+    p.add_argument("--start-rate", type=float, default=20.0)
+    p.add_argument("--factor", type=float, default=1.4, help="sweep growth per step")
+    p.add_argument("--step-duration", type=float, default=3.0, help="measured seconds per step")
+    p.add_argument("--step-warmup", type=float, default=1.0)
+    p.add_argument("--max-configs", type=int, default=24)
+    p.add_argument("--encoding", choices=["json", "binary"], default="json")
+    p.add_argument("--out", type=Path, help="default: RUN_DIR/tune-serving.json")
+    p.set_defaults(func=_tune_cmd)
+
+
+def _numbers(text: str, kind: type, flag: str) -> list[Any]:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LoadTestError(f"{flag} must be numbers separated by commas, not {text!r}") from None
+
+
+def _tune_cmd(args: argparse.Namespace) -> int:
+    from .tune import TuneConfig, tune_serving
+
+    try:
+        cfg = TuneConfig(
+            slo_p99_ms=args.slo_p99_ms,
+            variants=args.variants.split(",") if args.variants else None,
+            max_batch_sizes=_numbers(args.max_batch_sizes, int, "--max-batch-sizes"),
+            queue_delays_ms=_numbers(args.queue_delays_ms, float, "--queue-delays-ms"),
+            instances=_numbers(args.instances, int, "--instances"),
+            start_rate=args.start_rate,
+            factor=args.factor,
+            step_duration_s=args.step_duration,
+            step_warmup_s=args.step_warmup,
+            max_configs=args.max_configs,
+            encoding=args.encoding,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise LoadTestError(
+            f"tune-serving {'.'.join(map(str, first['loc']))}: {first['msg']}"
+        ) from None
+    with ctrl_c_stops() as stop:
+        doc = tune_serving(args.run_dir, cfg, stop=stop)
+    out = args.out or args.run_dir / "tune-serving.json"
+    write_json(out, doc)
+    for r in doc["configs"]:
+        knee = "-" if r["knee_rate"] is None else f"{r['knee_rate']:.1f}"
+        print(f"  {r['variant']:<16} {json.dumps(r['serve'])}  knee {knee} rps  {r['note']}")
+    best = doc["best"]
+    if best is None:
+        print(f"no configuration met p99 <= {cfg.slo_p99_ms:g} ms")
+    else:
+        gain = doc.get("gain_vs_default")
+        print(
+            f"best: {best['variant']} {json.dumps(best['serve'])}: {best['knee_rate']:.1f} rps per machine"
+            + ("" if gain is None else f" ({gain:.2f}x the default settings)")
+        )
+        print(f"serve it with: {doc['serve_command']}")
+        config_path = out.with_name("serve-config.json")
+        write_json(config_path, {"command": doc["serve_command"], **best})
+        print(f"wrote {out} and {config_path}")
+    return 130 if doc["partial"] else 0

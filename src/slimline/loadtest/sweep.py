@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 
 from ..errors import LoadTestError
 from ..recipe import Config
+from .payload import Payload, build_payloads, load_samples
 from .result import SCHEMA
 from .run import LoadTestConfig, run_loadtest
 from .scrape import MetricsWatcher
@@ -98,14 +99,23 @@ def find_knee(
 StepRunner = Callable[[float], dict[str, Any]]
 
 
-def http_step_runner(base: LoadTestConfig, scrape: bool = True, stop: Any = None) -> StepRunner:
+def http_step_runner(
+    base: LoadTestConfig,
+    scrape: bool = True,
+    stop: Any = None,
+    payloads: list[Payload] | None = None,
+) -> StepRunner:
     """Run one step at ``rate`` against a real server, with its /metrics watched."""
     headers = {"Authorization": f"Bearer {base.token}"} if base.token else None
+    if payloads is None:
+        payloads = build_payloads(
+            load_samples(base.inputs or base.model), base.encoding, base.batch_size
+        )
 
     def step(rate: float) -> dict[str, Any]:
         cfg = base.model_copy(update={"rate": rate})
         watcher = MetricsWatcher(base.url, base.model, headers).start() if scrape else None
-        result = run_loadtest(cfg, stop=stop)
+        result = run_loadtest(cfg, stop=stop, payloads=payloads)
         result["server"] = watcher.stop() if watcher is not None else None
         return result
 

@@ -1,0 +1,150 @@
+"""tune-serving: the search with stub servers of known speed, and one real `slimline serve` run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from slimline.errors import LoadTestError
+from slimline.loadtest.stubserver import stub_server
+from slimline.loadtest.tune import ServeSetting, TuneConfig, run_variants, tune_serving
+
+
+def _run_dir(tmp_path: Path, variants: dict[str, bool], selected: str) -> Path:
+    run = tmp_path / "run"
+    (run / "artifacts").mkdir(parents=True)
+    np.savez(run / "samples.npz", x=np.random.default_rng(0).random((16, 4), dtype=np.float32))
+    candidates = [{"name": "fp32-torch", "artifact": None, "accepted": True}]
+    for name, accepted in variants.items():
+        _linear(run / "artifacts" / f"{name}.onnx")
+        candidates.append(
+            {"name": name, "artifact": f"artifacts/{name}.onnx", "accepted": accepted}
+        )
+    manifest = {
+        "schema": 1,
+        "status": "complete",
+        "selected": selected,
+        "recipe": {"task": "x.onnx", "samples": str(run / "samples.npz")},
+        "task": {"name": "lin", "source": "x.onnx"},
+        "candidates": candidates,
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return run
+
+
+def _linear(path: Path) -> None:
+    w = np.arange(12, dtype=np.float32).reshape(4, 3) / 10.0
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "lin",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        initializer=[numpy_helper.from_array(w, "W")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_run_variants_lists_accepted_onnx_candidates(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, {"fp32-onnx": False, "quantize": True, "prune": False}, "quantize")
+    assert sorted(run_variants(run, None)) == ["fp32-onnx", "quantize"]
+    with pytest.raises(LoadTestError, match="no accepted ONNX candidate 'prune'"):
+        run_variants(run, ["prune"])
+    with pytest.raises(LoadTestError, match=r"has no manifest\.json"):
+        run_variants(tmp_path, None)
+
+
+def test_serve_setting_becomes_serve_flags() -> None:
+    args = ServeSetting(max_batch_size=16, max_queue_delay_ms=0.5, instances=2, threads=1).args()
+    assert args == [
+        "--max-batch-size",
+        "16",
+        "--max-queue-delay-ms",
+        "0.5",
+        "--instances",
+        "2",
+        "--threads",
+        "1",
+    ]
+
+
+def _stub_starter(delays_ms: dict[str, float], started: list[tuple[str, list[str]]]):
+    def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
+        @contextmanager
+        def cm() -> Iterator[str]:
+            started.append((path.stem, args))
+            with stub_server(
+                "--model", path.stem, "--serial", "--delay-ms", str(delays_ms[path.stem])
+            ) as url:
+                yield url
+
+        return cm()
+
+    return start
+
+
+def test_search_picks_the_fast_variant_and_drops_the_dominated_one(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, {"fast": True, "slow": True}, "slow")
+    started: list[tuple[str, list[str]]] = []
+    cfg = TuneConfig(
+        slo_p99_ms=40,
+        max_batch_sizes=[8, 16],
+        queue_delays_ms=[2.0],
+        instances=[1],
+        start_rate=40,
+        factor=2,
+        refine=0,
+        step_duration_s=1.0,
+        step_warmup_s=0.2,
+        max_steps=3,
+        max_lag_ms=50,
+    )
+    doc = tune_serving(run, cfg, start_server=_stub_starter({"fast": 2.0, "slow": 20.0}, started))
+    assert doc["kind"] == "tune-serving" and doc["best"]["variant"] == "fast"
+    by = {(r["variant"], r["serve"]["max_batch_size"]): r for r in doc["configs"]}
+    slow = by[("slow", 8)]
+    # the slow variant (50 rps at most) starts at 0.7 x the fast knee and fails at once
+    assert (
+        slow["sweep_start_rate"] >= 0.7 * by[("fast", 8)]["knee_rate"] and slow["knee_rate"] is None
+    )
+    assert len(slow["sweep"]["steps"]) == 1 and "dominated" in slow["note"]
+    assert ("slow", 16) not in by and ("fast", 16) in by  # stage 2 only for variants in the race
+    assert doc["default"]["variant"] == "slow"  # the run's selected candidate at default settings
+    assert (
+        doc["serve_command"].startswith("slimline serve ") and "fast.onnx" in doc["serve_command"]
+    )
+    assert [s for s, _ in started] == ["fast", "slow", "fast"]
+
+
+def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, {"lin": True}, "lin")
+    cfg = TuneConfig(
+        slo_p99_ms=200,
+        max_batch_sizes=[8],
+        queue_delays_ms=[2.0],
+        instances=[1],
+        start_rate=20,
+        factor=2,
+        refine=0,
+        step_duration_s=1.0,
+        step_warmup_s=0.3,
+        max_steps=2,
+        max_configs=1,
+        max_lag_ms=50,
+    )
+    doc = tune_serving(run, cfg)
+    (entry,) = doc["configs"]
+    assert entry["knee_rate"] == pytest.approx(
+        40, rel=0.25
+    )  # both steps pass; the top one is the knee
+    assert entry["sweep"]["steps"][-1]["server"]["batch_size_mean"] >= 1.0  # scraped from /metrics
+    assert doc["serve_command"] == (
+        f"slimline serve {run} --max-batch-size 8 --max-queue-delay-ms 2 --instances 1 --threads "
+        f"{entry['serve']['threads'] or ServeSetting().args()[-1]}"
+    )
