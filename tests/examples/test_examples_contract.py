@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import pearsonr
 
-from slimline.examples import DESCRIPTIONS, EXAMPLES
-from slimline.examples import minilm, mnist
+from slimline.examples import DESCRIPTIONS, EXAMPLES, minilm, mnist
 from slimline.task import load_task
 
 
@@ -134,7 +133,7 @@ def test_minilm_similarity_matrix() -> None:
     assert s.shape == (50, 50)
     np.testing.assert_array_equal(s, s.T)
     np.testing.assert_array_equal(np.diag(s), np.ones(50))
-    assert 0.0 <= s.min() and s.max() <= 1.0
+    assert s.min() >= 0.0 and s.max() <= 1.0
     raw = np.loadtxt(minilm.data_dir() / "similarities0-1.txt")
     np.testing.assert_array_equal(np.triu(s, 1), np.triu(raw, 1))
 
