@@ -30,6 +30,7 @@ __all__ = [
     "distill_loss",
     "resolve_data",
     "to_tensors",
+    "trim_padding",
 ]
 
 Batches = Callable[[], Iterable[tuple[dict[str, np.ndarray], Any]]]
@@ -53,6 +54,9 @@ class FinetuneConfig(Config):
     val_batches: int = Field(4, ge=1, description="leading batches held out for early stopping")
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    dynamic_padding: bool = Field(
+        True, description="cut batches to their longest attention_mask row (padded text inputs)"
+    )
     data: Literal["auto", "train", "calibration"] = Field(
         "auto", description="auto: train_data() if the task has it, else calibration inputs"
     )
@@ -109,6 +113,22 @@ def to_tensors(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
     import torch
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
+
+
+def trim_padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Drop trailing sequence positions that are padding in every row (``attention_mask`` 0).
+
+    Applies to padded text batches only: an ``attention_mask`` of shape ``[N, L]``; every input of
+    that shape is cut to the longest row. For an encoder that honours its mask (BERT-class models)
+    the outputs at the kept positions do not change; training is faster by the padding share.
+    """
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.ndim != 2 or not mask.any():
+        return inputs
+    length = int(np.flatnonzero(mask.any(axis=0)).max()) + 1
+    if length == mask.shape[1]:
+        return inputs
+    return {k: (v[:, :length] if v.shape[:2] == mask.shape else v) for k, v in inputs.items()}
 
 
 def _first(out: Any) -> Any:
@@ -194,7 +214,7 @@ def _val_loss(
     total = 0.0
     with torch.no_grad():
         for inputs, _ in val:
-            x = to_tensors(inputs)
+            x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
             total += float(
                 distill_loss(_first(student(**x)), _first(teacher(**x)), None, output_kind, cfg)
             )
@@ -240,7 +260,7 @@ def distill(
     stream = _batch_stream(batches, skip)
     running = 0.0
     for step_i, (inputs, labels) in enumerate(stream, start=1):
-        x = to_tensors(inputs)
+        x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
         with torch.no_grad():
             t_out = _first(teacher(**x))
         loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
@@ -316,7 +336,7 @@ def accumulate_gradients(
     model.eval()  # gradients of the deployed (eval-mode) function, without dropout noise
     used = 0
     for inputs, labels in batches():
-        x = to_tensors(inputs)
+        x = to_tensors(trim_padding(inputs))
         with torch.no_grad():
             t_out = _first(teacher(**x))
         loss = _gradient_loss(_first(model(**x)), t_out, labels, output_kind, task)

@@ -144,3 +144,23 @@ def test_gradients_for_taylor_need_a_signal() -> None:
     assert (
         accumulate_gradients(emb_s, emb_t, _batches(labels=False), 3, output_kind="embedding") == 0
     )
+
+
+def test_dynamic_padding_cuts_only_all_padding_columns() -> None:
+    from slimline.compress.finetune import trim_padding
+
+    from .test_prune_graph import Encoder
+
+    ids = np.random.default_rng(0).integers(1, 100, (3, 12)).astype(np.int64)
+    mask = np.zeros((3, 12), np.int64)
+    mask[0, :5], mask[1, :7], mask[2, :3] = 1, 1, 1
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    cut = trim_padding(inputs)
+    assert cut["input_ids"].shape == (3, 7) and cut["attention_mask"].shape == (3, 7)
+    enc = Encoder()
+    with torch.no_grad():
+        full = enc(**{k: torch.from_numpy(v) for k, v in inputs.items()})[:, :7]
+        short = enc(**{k: torch.from_numpy(v) for k, v in cut.items()})
+    keep = torch.from_numpy(mask[:, :7]).bool()
+    torch.testing.assert_close(short[keep], full[keep], atol=1e-5, rtol=1e-4)
+    assert trim_padding({"x": ids}) == {"x": ids}  # no mask: untouched

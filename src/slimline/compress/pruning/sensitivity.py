@@ -109,12 +109,12 @@ class Evaluator:
     def _outputs(self, model: Any) -> np.ndarray:
         import torch
 
-        from ..finetune import to_tensors
+        from ..finetune import to_tensors, trim_padding
 
         outs = []
         with torch.inference_mode():
             for inputs, _ in self.batches:
-                out = model(**to_tensors(inputs))
+                out = model(**to_tensors(trim_padding(inputs)))
                 out = out[0] if isinstance(out, (tuple, list)) else out
                 outs.append(out.detach().float().numpy())
         return np.concatenate(outs)
