@@ -105,8 +105,8 @@ def test_stall_shows_in_open_loop_p99_and_hides_in_closed_loop() -> None:
                 url=url,
                 model="stub",
                 rate=50.0,
-                duration_s=4.0,
-                warmup_s=0.5,
+                duration_s=3.0,
+                warmup_s=0.3,
                 arrival="constant",
                 processes=1,
             ),
@@ -116,7 +116,7 @@ def test_stall_shows_in_open_loop_p99_and_hides_in_closed_loop() -> None:
         "--delay-ms", "5", "--serial", "--stall-ms", "1000", "--stall-after", "300"
     ) as url:
         closed_res = run_loadtest(
-            LoadTestConfig(url=url, model="stub", concurrency=1, duration_s=4.0, warmup_s=0.5),
+            LoadTestConfig(url=url, model="stub", concurrency=1, duration_s=3.0, warmup_s=0.3),
             payloads=PAYLOADS,
         )
     assert open_res["latency_ms"]["max"] > 950.0 and open_res["latency_ms"]["p99"] > 800.0
@@ -207,6 +207,8 @@ def test_cli_writes_the_result_json(tmp_path: Path) -> None:
                 "1",
                 "--warmup",
                 "0.2",
+                "--max-lag-ms",
+                "1000",  # about the file, not the timing: the shared machine may be busy
                 "--out",
                 str(out),
             ]
