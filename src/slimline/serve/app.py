@@ -71,6 +71,7 @@ class ServeSettings(Config):
     port: int = Field(8000, ge=0, le=65535)
     batching: BatcherConfig = Field(default_factory=BatcherConfig)
     threads: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads per batch")
+    ort_spinning: bool = Field(False, description="let idle ONNX Runtime threads spin-wait")
     api_token: SecretStr | None = None
     max_body_bytes: int = Field(64 << 20, ge=1024)
     allow_nonfinite: bool = False

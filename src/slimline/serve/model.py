@@ -28,6 +28,7 @@ __all__ = [
     "ServedModel",
     "TensorSpec",
     "load_served_models",
+    "ort_serving_session",
     "resolve_model_path",
 ]
 
@@ -84,11 +85,9 @@ class OrtBackend:
 
     platform = "onnxruntime_onnx"
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
-        from ..measure.runners import ort_session
-
+    def __init__(self, path: Path, threads: int = 1, *, spinning: bool = False) -> None:
         self.path = Path(path)
-        self.session = ort_session(self.path, threads)
+        self.session = ort_serving_session(self.path, threads, spinning=spinning)
         self.inputs = [_spec(a) for a in self.session.get_inputs()]
         self.outputs = [_spec(a) for a in self.session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
@@ -102,6 +101,30 @@ class OrtBackend:
             first = str(err).strip().splitlines()[0][:300]
             raise ModelInputError(first) from None
         return dict(zip(self._output_names, values, strict=True))
+
+
+def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> Any:
+    """An ONNX Runtime CPU session for serving: ``threads`` intra-op threads, full graph
+    optimization, and (by default) no spin-waiting, so idle inference threads leave the cores
+    to the event loop and to the other instances."""
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise ModelFileError(f"ONNX file {path} does not exist; check the path")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
+        first = str(err).strip().splitlines()[0][:200]
+        raise ModelFileError(
+            f"ONNX Runtime cannot load {path} ({first}); serve a valid ONNX model"
+        ) from None
 
 
 def _spec(arg: Any) -> TensorSpec:
@@ -210,7 +233,9 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
     return str(name), onnx_path, meta
 
 
-def load_served_models(paths: list[Path], threads: int = 1) -> list[ServedModel]:
+def load_served_models(
+    paths: list[Path], threads: int = 1, *, spinning: bool = False
+) -> list[ServedModel]:
     """Load each path as an ONNX Runtime model; two paths may not share a served name."""
     models: list[ServedModel] = []
     for path in paths:
@@ -220,6 +245,6 @@ def load_served_models(paths: list[Path], threads: int = 1) -> list[ServedModel]
                 f"two models are both named {name!r}; serve them from separate processes or "
                 "rename one .onnx file"
             )
-        backend = OrtBackend(onnx_path, threads)
+        backend = OrtBackend(onnx_path, threads, spinning=spinning)
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models

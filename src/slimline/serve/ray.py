@@ -51,7 +51,7 @@ class V2Replica:
         for name, data, meta in blobs:
             path = self._dir / f"{name}.onnx"
             path.write_bytes(data)
-            backend = OrtBackend(path, settings.threads)
+            backend = OrtBackend(path, settings.threads, spinning=settings.ort_spinning)
             self.models.append(ServedModel(name, backend, source=meta.get("source", ""), meta=meta))
         self._asgi = build_app(self.models, settings, warm_first=True)
 

