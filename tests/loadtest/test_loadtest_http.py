@@ -220,3 +220,56 @@ def test_cli_writes_the_result_json(tmp_path: Path) -> None:
     assert "token" not in doc["config"]
     with pytest.raises(LoadTestError, match="exactly one of --rate"):
         _cli(["loadtest", url, "--model", "stub", "--inputs", str(npz)])
+
+
+def _served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    ok = [
+        line
+        for line in text.splitlines()
+        if line.startswith('stub_requests_total{model="stub",outcome="ok"}')
+    ]
+    return float(ok[0].split()[-1]) if ok else 0.0
+
+
+def test_ctrl_c_writes_a_partial_result(tmp_path: Path) -> None:
+    """SIGINT to `slimline loadtest` (two generator processes): partial JSON, exit status 130."""
+    import signal
+    import time
+
+    npz = tmp_path / "samples.npz"
+    np.savez(npz, x=np.ones((4, 4), np.float32))
+    out = tmp_path / "lt.json"
+    with stub_server("--delay-ms", "1") as url:
+        cmd = [
+            sys.executable,
+            "-m",
+            "slimline.cli",
+            "loadtest",
+            url,
+            "--model",
+            "stub",
+            "--inputs",
+            str(npz),
+            "--rate",
+            "50",
+            "--duration",
+            "60",
+            "--warmup",
+            "0",
+            "--processes",
+            "2",
+            "--out",
+            str(out),
+        ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while _served(url) < 30 and time.monotonic() < deadline:  # wait for traffic to flow
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    doc = json.loads(out.read_text())
+    assert proc.returncode == 130, err
+    assert "PARTIAL" in err and doc["partial"] is True
+    assert doc["requests"] > 0 and doc["duration_s"] < 10
+    assert doc["outcomes"]["ok"] == doc["requests"] - doc["outcomes"]["unfinished"]

@@ -167,7 +167,7 @@ async def _drain(tasks: set[asyncio.Task[None]], stop: Any, rec: Records, t0: fl
     grace_end: float | None = None
     while tasks:
         if stop.is_set() and grace_end is None:
-            rec.stopped_at = time.monotonic() - t0
+            rec.stopped_at = max(0.0, time.monotonic() - t0)
             grace_end = time.monotonic() + STOP_GRACE_S
         if grace_end is not None and time.monotonic() > grace_end:
             for task in tasks:
@@ -176,7 +176,7 @@ async def _drain(tasks: set[asyncio.Task[None]], stop: Any, rec: Records, t0: fl
             break
         await asyncio.wait(tasks, timeout=0.05)
     if stop.is_set() and rec.stopped_at is None:
-        rec.stopped_at = time.monotonic() - t0
+        rec.stopped_at = max(0.0, time.monotonic() - t0)
 
 
 async def _closed_loop(
