@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,3 +186,28 @@ def test_minilm_metric_perfect_random_and_limited() -> None:
     # an evaluation limit of n documents: pairs among the first n only
     assert minilm.metric(emb[:10], perfect[:10]) == pytest.approx(1.0, abs=1e-12)
     assert minilm.metric(np.ones((5, 4)), perfect[:5]) == 0.0
+
+
+def test_mnist_model_trains_once_then_loads_from_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setenv("SLIMLINE_CACHE", str(tmp_path))
+    torch.manual_seed(3)
+    state = mnist.build().state_dict()
+    calls = []
+
+    def fake_train() -> dict:
+        calls.append(1)
+        return state
+
+    monkeypatch.setattr(mnist, "train_model", fake_train)
+    first = mnist.model()
+    second = mnist.model()
+    assert len(calls) == 1
+    assert not first.training and not second.training
+    for k, v in state.items():
+        assert torch.equal(second.state_dict()[k], v)
+    files = {p.name for p in (tmp_path / "examples").iterdir()}  # no temporary file left
+    assert files == {mnist.weights_path().name, mnist.weights_path().with_suffix(".lock").name}
