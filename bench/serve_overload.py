@@ -26,7 +26,7 @@ import psutil
 from serve_common import MODELS, closed_loop, open_loop, payloads, save_json, write_section
 from slimline.serve import run_in_subprocess
 
-MAX_BATCH, DELAY_MS, QUEUE, TIMEOUT_MS = 16, 2.0, 32, 2000
+MAX_BATCH, DELAY_MS, QUEUE, TIMEOUT_MS = 16, 2.0, 16, 2000
 
 
 def batch_compute_ms(url: str) -> float:
