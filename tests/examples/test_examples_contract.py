@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy.stats import pearsonr
 
+from slimline.errors import DataError
 from slimline.examples import DESCRIPTIONS, EXAMPLES, minilm, mnist
 from slimline.task import load_task
 
@@ -186,6 +187,8 @@ def test_minilm_metric_perfect_random_and_limited() -> None:
     # an evaluation limit of n documents: pairs among the first n only
     assert minilm.metric(emb[:10], perfect[:10]) == pytest.approx(1.0, abs=1e-12)
     assert minilm.metric(np.ones((5, 4)), perfect[:5]) == 0.0
+    with pytest.raises(DataError, match="at least 3 documents"):
+        minilm.metric(emb[:2], perfect[:2])
 
 
 def test_mnist_model_trains_once_then_loads_from_cache(

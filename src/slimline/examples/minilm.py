@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TaskError
+from ..errors import DataError, TaskError
 
 NAME = "minilm"
 METRIC_NAME = "lee_pearson"
@@ -196,8 +196,9 @@ def metric(outputs: np.ndarray, labels: np.ndarray) -> float:
     ratings = np.asarray(labels, dtype=np.float64)
     n = len(emb)
     if n < 3 or ratings.shape[0] != n or ratings.shape[1] < n:
-        raise ValueError(
-            f"need n >= 3 embeddings and n x >= n ratings, got {emb.shape}, {ratings.shape}"
+        raise DataError(
+            f"lee_pearson needs n >= 3 document embeddings and their n rating rows, got "
+            f"{emb.shape} and {ratings.shape}; evaluate at least 3 documents with their labels"
         )
     emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     iu = np.triu_indices(n, k=1)

@@ -127,8 +127,8 @@ def weight_stats(onnx_path: Path | str, min_size: int = 1) -> dict[str, Any]:
     A weight is a float initializer with at least 2 dimensions, or any float initializer whose
     name contains ``weight``. Returns ``{"layers": [{"name", "shape", "consumer", "op_type",
     ...tensor_stats}], "recommendation": "<method>: <reason>", "calibration_method": method}``;
-    the recommendation is judged on the weights (activations need calibration data, see
-    ``slimline.compress``).
+    the recommendation is judged on the weight matrices (ndim >= 2: what INT8 quantizes; norm
+    scales and biases stay float), as a proxy: activations need calibration data.
     """
     import onnx
     from onnx import numpy_helper
@@ -157,7 +157,8 @@ def weight_stats(onnx_path: Path | str, min_size: int = 1) -> dict[str, Any]:
             }
         )
     layers.sort(key=lambda r: (-r["outlier_share"], -r["absmax_over_std"]))
-    method, reason = recommend_calibration(layers)
+    matrices = [r for r in layers if len(r["shape"]) >= 2]  # what INT8 quantizes
+    method, reason = recommend_calibration(matrices)
     return {
         "layers": layers,
         "recommendation": f"{method}: {reason}",
