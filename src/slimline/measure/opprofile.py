@@ -2,11 +2,12 @@
 
 The session runs with profiling on (``SessionOptions.enable_profiling``) and the same thread
 settings as every other measurement (intra-op = threads, inter-op = 1, sequential). After
-``warmup`` unprofiled-in-effect runs, ``runs`` runs are recorded; the JSON trace that
+``warmup`` runs (traced but not counted), ``runs`` runs are recorded; the JSON trace that
 ``end_profiling()`` writes is parsed and deleted. Kernel time is the ``dur`` of each ``Node``
 event named ``<node>_kernel_time``; only events after the warm-up runs' ``model_run`` events count.
-Shares are of the summed kernel time, so they sum to 1 (framework overhead between kernels is
-reported separately as ``overhead_share`` of the wall time of the recorded runs).
+Shares are of the summed kernel time, so they sum to 1; the time outside kernels (the session's
+own work between them, the profiler's bookkeeping included) is ``overhead_share`` of the wall
+time of the recorded runs.
 """
 
 from __future__ import annotations
