@@ -152,12 +152,20 @@ class HttpClient:
         """Open ``n`` idle connections ahead of the run, so early requests do not pay for it."""
         self.idle.extend(await asyncio.gather(*(self._connect() for _ in range(n))))
 
+    def _idle(self) -> _Connection | None:
+        """A kept-alive connection the server has not closed meanwhile, if any."""
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.reusable and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
     async def infer(self, payload: Payload) -> str:
         request = self._request(payload)
         conn: _Connection | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                conn = self.idle.pop() if self.idle else await self._connect()
+                conn = self._idle() or await self._connect()
                 status, body = await conn.send(request)
         except TimeoutError:
             if conn is not None:

@@ -129,6 +129,17 @@ class _Ticker(threading.Thread):
             i = j
 
 
+async def _safe_infer(client: Client, payload: Payload) -> str:
+    """The client's outcome; an unexpected client failure counts as a connection error."""
+    try:
+        return await client.infer(payload)
+    except Exception as err:  # counted, and one message kept, instead of a lost task exception
+        samples = getattr(client, "error_samples", None)
+        if isinstance(samples, dict):
+            samples.setdefault("connection", f"{type(err).__name__}: {err}")
+        return "connection"
+
+
 async def _open_loop(
     client: Client, plan: OpenPlan, payloads: list[Payload], t0: float, stop: Any
 ) -> Records:
@@ -140,7 +151,7 @@ async def _open_loop(
 
     async def one(k: int) -> None:
         rec.sent[k] = time.monotonic() - t0
-        outcome = await client.infer(payloads[int(plan.payload_ids[k])])
+        outcome = await _safe_infer(client, payloads[int(plan.payload_ids[k])])
         rec.done[k] = time.monotonic() - t0
         rec.outcome[k] = _CODES[outcome]
 
@@ -187,7 +198,7 @@ async def _closed_loop(
     async def user(u: int) -> None:
         k = u
         while not stop.is_set() and (sent := time.monotonic() - t0) < plan.duration_s:
-            outcome = await client.infer(payloads[k % len(payloads)])
+            outcome = await _safe_infer(client, payloads[k % len(payloads)])
             rows.append((sent, time.monotonic() - t0, _CODES[outcome]))
             k += plan.concurrency
 

@@ -1,0 +1,116 @@
+"""mnist and minilm served by slimline: sweep knees, capacity for a peak, and tune-serving's pick.
+
+For a run directory of ``slimline optimize`` (mnist or minilm), with every figure measured
+against a real ``slimline serve`` child process on this machine:
+
+1. the sweep's knee at ``--slo-p99-ms`` for the FP32 ONNX baseline and for the run's selected
+   (optimized) candidate, both with the default batcher settings;
+2. ``slimline capacity`` for ``--peak-qps`` (5,000) with ``--headroom`` (40%) from each sweep;
+3. ``slimline tune-serving`` on the run (a bounded grid), against the default settings.
+
+    nice -n 10 .venv/bin/python bench/loadtest_models.py /tmp/runs/mnist --slo-p99-ms 50 \
+        --out bench/out/loadtest/mnist.json
+
+The generator and the server share this machine's cores, so the knees are what one such machine
+serves while also generating its own load: a lower bound for a dedicated server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from slimline.loadtest.capacity import plan_capacity
+from slimline.loadtest.payload import build_payloads, load_samples
+from slimline.loadtest.result import write_json
+from slimline.loadtest.run import LoadTestConfig
+from slimline.loadtest.sweep import SweepConfig, http_step_runner, run_sweep
+from slimline.loadtest.tune import ServeSetting, TuneConfig, run_variants, tune_serving
+from slimline.serve import run_in_subprocess
+
+
+def sweep_variant(path: Path, payloads: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    with run_in_subprocess([path], ServeSetting().args()) as (url, _proc):
+        base = LoadTestConfig(
+            url=url,
+            model=path.stem,
+            rate=args.start_rate,
+            duration_s=args.step_duration,
+            warmup_s=1.0,
+            max_lag_ms=args.max_lag_ms,
+        )
+        cfg = SweepConfig(
+            slo_p99_ms=args.slo_p99_ms, start_rate=args.start_rate, factor=1.4, refine=2
+        )
+        return run_sweep(
+            cfg, http_step_runner(base, payloads=payloads), {"url": url, "model": path.stem}
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--slo-p99-ms", type=float, default=50.0)
+    ap.add_argument("--peak-qps", type=float, default=5000.0)
+    ap.add_argument("--headroom", type=float, default=0.4)
+    ap.add_argument("--start-rate", type=float, default=20.0)
+    ap.add_argument("--step-duration", type=float, default=3.0)
+    ap.add_argument("--max-lag-ms", type=float, default=10.0)
+    ap.add_argument("--tune-max-configs", type=int, default=8)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    manifest = json.loads((args.run_dir / "manifest.json").read_text())
+    variants = run_variants(args.run_dir, None)
+    picks = [v for v in dict.fromkeys(["fp32-onnx", manifest["selected"]]) if v in variants]
+    payloads = build_payloads(load_samples(str(args.run_dir)), "json")
+    doc: dict[str, Any] = {
+        "run_dir": str(args.run_dir),
+        "task": manifest["task"]["name"],
+        "selected": manifest["selected"],
+        "slo_p99_ms": args.slo_p99_ms,
+        "variants": {},
+    }
+    for name in picks:
+        sweep = sweep_variant(variants[name], payloads, args)
+        write_json(args.out.with_name(f"{args.out.stem}-sweep-{name}.json"), sweep)
+        plan = (
+            plan_capacity(sweep, args.peak_qps, args.slo_p99_ms, args.headroom)
+            if sweep["knee"]
+            else None
+        )
+        doc["variants"][name] = {"knee": sweep["knee"], "capacity": plan}
+        print(
+            name,
+            json.dumps(
+                {
+                    "knee": sweep["knee"] and sweep["knee"]["offered_rate"],
+                    "machines": plan and plan["machines"],
+                }
+            ),
+            flush=True,
+        )
+    tune_cfg = TuneConfig(
+        slo_p99_ms=args.slo_p99_ms,
+        max_batch_sizes=[1, 8, 32],
+        queue_delays_ms=[0.5, 5.0],
+        instances=[1, 2],
+        start_rate=args.start_rate,
+        step_duration_s=args.step_duration,
+        max_configs=args.tune_max_configs,
+        max_lag_ms=args.max_lag_ms,
+    )
+    tune = tune_serving(args.run_dir, tune_cfg)
+    write_json(args.out.with_name(f"{args.out.stem}-tune.json"), tune)
+    doc["tune"] = {k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command")}
+    doc["tune"]["configs"] = [
+        {k: c[k] for k in ("variant", "serve", "stage", "knee_rate", "note")}
+        for c in tune["configs"]
+    ]
+    write_json(args.out, doc)
+    print(json.dumps(doc["tune"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
