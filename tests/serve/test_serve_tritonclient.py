@@ -67,3 +67,16 @@ def test_errors_reach_the_client_with_their_message(client: triton.InferenceServ
     with pytest.raises(InferenceServerException, match="dimension 1 must be 4") as info:
         client.infer("tiny", [inp])
     assert info.value.status() == "400"
+
+
+def test_large_bodies_are_decoded_off_the_event_loop_correctly(
+    client: triton.InferenceServerClient,
+) -> None:
+    ids = np.arange(30_000, dtype=np.int64).reshape(1, -1) % 7  # 2 x 240 KB: above the offload
+    mask = (np.arange(30_000, dtype=np.int64).reshape(1, -1) % 2).astype(np.int64)
+    inputs = [triton.InferInput("ids", [1, 30_000], "INT64"),
+              triton.InferInput("mask", [1, 30_000], "INT64")]  # fmt: skip
+    for inp, arr in zip(inputs, (ids, mask), strict=True):
+        inp.set_data_from_numpy(arr, binary_data=True)
+    result = client.infer("tokens", inputs)
+    np.testing.assert_allclose(result.as_numpy("total"), [float((ids * mask).sum())])

@@ -61,6 +61,7 @@ __all__ = ["TIMEOUT_HEADER", "ServeSettings", "ServerState", "build_app"]
 log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+OFFLOAD_BYTES = 256 * 1024  # bodies/outputs above this are decoded/encoded off the event loop
 _ACCEPTED_TYPES = frozenset({"", "application/json", "application/octet-stream"})
 
 
@@ -229,8 +230,6 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_model_routes(app: FastAPI, state: ServerState) -> None:
-    errors: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
-
     async def metadata(name: str, version: str | None = None) -> Response:
         model, problem = _lookup(state, name, version)
         return problem or _json(model_metadata(model))  # type: ignore[arg-type]
@@ -240,31 +239,46 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         ok = problem is None and name in state.warm and not state.draining
         return problem or _json({"ready": ok}, 200 if ok else 503)
 
-    async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    # one handler per route shape, so the OpenAPI document lists exactly the path parameters
+    async def model_metadata_(name: str) -> Response:
+        return await metadata(name)
+
+    async def model_version_metadata(name: str, version: str) -> Response:
+        return await metadata(name, version)
+
+    async def model_ready_(name: str) -> Response:
+        return await model_ready(name)
+
+    async def model_version_ready(name: str, version: str) -> Response:
+        return await model_ready(name, version)
+
+    async def infer(request: Request, name: str) -> Response:
+        return await _infer(state, request, name, None)
+
+    async def infer_version(request: Request, name: str, version: str) -> Response:
         return await _infer(state, request, name, version)
 
-    for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        app.get(prefix, response_model=ModelMetadata, responses=errors, tags=["model"])(metadata)
-        app.get(
-            prefix + "/ready",
-            response_model=ReadyBody,
-            responses={**errors, 503: {"model": ReadyBody}},
-            tags=["model"],
-        )(model_ready)
+    errors: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
+    infer_errors: dict[int | str, dict[str, Any]] = {
+        c: {"model": ErrorBody} for c in (400, 404, 413, 415, 503, 504)
+    }
+    ready_errors: dict[int | str, dict[str, Any]] = {**errors, 503: {"model": ReadyBody}}
+    routes = (
+        ("/v2/models/{name}", model_metadata_, model_ready_, infer),
+        ("/v2/models/{name}/versions/{version}", model_version_metadata, model_version_ready,
+         infer_version),
+    )  # fmt: skip
+    for prefix, meta_fn, ready_fn, infer_fn in routes:
+        app.get(prefix, response_model=ModelMetadata, responses=errors, tags=["model"])(meta_fn)
+        app.get(prefix + "/ready", response_model=ReadyBody, responses=ready_errors,
+                tags=["model"])(ready_fn)  # fmt: skip
         app.post(
             prefix + "/infer",
             response_model=InferenceResponse,
-            responses={
-                **errors,
-                400: {"model": ErrorBody},
-                413: {"model": ErrorBody},
-                415: {"model": ErrorBody},
-                503: {"model": ErrorBody},
-                504: {"model": ErrorBody},
-            },
+            responses=infer_errors,
             openapi_extra={"requestBody": _INFER_BODY},
             tags=["model"],
-        )(infer)
+        )(infer_fn)
 
 
 def _lookup(
@@ -332,7 +346,11 @@ async def _run_request(state: ServerState, model: ServedModel, request: Request)
     settings = state.settings
     timeout_s = _header_timeout(request.headers.get(TIMEOUT_HEADER))
     body = await _read_body(request, settings.max_body_bytes)
-    req = parse_infer_request(body, request.headers.get(HEADER_LENGTH))
+    header_length = request.headers.get(HEADER_LENGTH)
+    if len(body) > OFFLOAD_BYTES:  # keep the event loop (and the deadline timers) responsive
+        req = await _in_pool(state, lambda b: parse_infer_request(b, header_length), body)
+    else:
+        req = parse_infer_request(body, header_length)
     check_requested_outputs(model, req)
     inputs = req.inputs
     if model.preprocess is not None:
@@ -347,7 +365,10 @@ async def _run_request(state: ServerState, model: ServedModel, request: Request)
     outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
     if model.postprocess is not None:
         outputs = await _in_pool(state, model.postprocess, outputs)
-    body_out, headers = encode_response(model, req, outputs)
+    if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
+        body_out, headers = await _in_pool(state, lambda o: encode_response(model, req, o), outputs)
+    else:
+        body_out, headers = encode_response(model, req, outputs)
     return Response(body_out, 200, headers=headers)
 
 
