@@ -126,3 +126,34 @@ def test_standalone_html_for_a_single_load_test(tmp_path: Path) -> None:
     paths = write_standalone(doc, tmp_path / "lt.json")
     assert [p.name for p in paths] == ["lt.html"]
     assert "PARTIAL" in paths[0].read_text()
+
+
+def test_report_section_shows_capacity_and_tune_results(tmp_path: Path) -> None:
+    plan = {
+        "kind": "capacity",
+        "peak_qps": 5000,
+        "slo_p99_ms": 50,
+        "headroom": 0.4,
+        "machines": 21,
+        "capacity_per_machine": 399.6,
+        "load_at_peak": 0.596,
+        "load_at_peak_minus_one": 0.626,
+    }
+    best = {"variant": "quantize", "serve": {"max_batch_size": 16}, "knee_rate": 812.0}
+    tune = {
+        "kind": "tune-serving",
+        "slo_p99_ms": 50,
+        "best": best,
+        "configs": [
+            {**best, "note": ""},
+            {"variant": "fp32-onnx", "serve": {}, "knee_rate": None, "note": "dominated"},
+        ],
+    }
+    (tmp_path / "capacity.json").write_text(json.dumps(plan))
+    (tmp_path / "tune-serving.json").write_text(json.dumps(tune))
+    (tmp_path / "loadtest-broken.json").write_text("{not json")
+    html = _section({}, tmp_path)
+    assert html is not None
+    assert "<b>21 machines</b>" in html and "63% with one machine down" in html
+    assert "<b>quantize</b>" in html and "812.0" in html and "dominated" in html
+    assert _section({}, tmp_path / "missing") is None
