@@ -129,7 +129,8 @@ def serve_on_ray(
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(app, name="slimline", route_prefix="/")
         print(f"{READY_LINE}http://{settings.host}:{settings.port}", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     finally:
         serve.shutdown()
         ray.shutdown()
