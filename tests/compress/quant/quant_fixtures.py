@@ -118,7 +118,9 @@ def encoder_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_module(_seeded(TinyEncoder), text_inputs(0, 2), path)
 
 
-def batches(make: Any, n_batches: int, rows: int, seed: int = 0, **kw: Any) -> Iterator[dict[str, np.ndarray]]:
+def batches(
+    make: Any, n_batches: int, rows: int, seed: int = 0, **kw: Any
+) -> Iterator[dict[str, np.ndarray]]:
     for i in range(n_batches):
         yield make(seed + i, rows, **kw)
 
@@ -144,13 +146,21 @@ def cnn_task(onnx_path: Path, eval_scale: float = 1.0, calib_batches: int = 4) -
     )
 
 
-def make_ctx(task: Task, baseline_onnx: Path, workdir: Path, budget: dict[str, Any] | None = None) -> StepContext:
+def make_ctx(
+    task: Task, baseline_onnx: Path, workdir: Path, budget: dict[str, Any] | None = None
+) -> StepContext:
     recipe = Recipe(
         name="t",
         task="tests",
         target={"threads": 1},
         budget=budget or {},
-        bench={"rounds": 2, "runs_per_round": 100, "warmup": 3, "batch_sizes": [1], "peak_rss": False},
+        bench={
+            "rounds": 2,
+            "runs_per_round": 100,
+            "warmup": 3,
+            "batch_sizes": [1],
+            "peak_rss": False,
+        },
     )
     base = Candidate("fp32-onnx", "export", None, onnx=baseline_onnx)
     ref = make_reference(make_runner(base, 1), task, None)

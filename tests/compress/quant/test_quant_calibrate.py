@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from quant_fixtures import batches, cnn_inputs
 
 from slimline.compress.quant.calibrate import calibrate, rebatch
 from slimline.compress.quant.distribution import analyse, recommend_calibration, weight_stats
@@ -14,15 +15,15 @@ from slimline.compress.quant.prepare import prepare
 from slimline.errors import DataError, InputMismatchError
 from slimline.measure.runners import ort_session
 
-from quant_fixtures import batches, cnn_inputs
-
 
 @pytest.fixture(scope="module")
 def prepared(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     return prepare(cnn_onnx, tmp_path_factory.mktemp("prep"), cnn_inputs(0, 1))
 
 
-def _true_ranges(model: Path, names: list[str], data: list[dict[str, np.ndarray]]) -> dict[str, tuple[float, float]]:
+def _true_ranges(
+    model: Path, names: list[str], data: list[dict[str, np.ndarray]]
+) -> dict[str, tuple[float, float]]:
     m = onnx.load(str(model))
     for n in names:
         m.graph.output.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, None))
@@ -30,7 +31,10 @@ def _true_ranges(model: Path, names: list[str], data: list[dict[str, np.ndarray]
     onnx.save(m, str(path))
     sess = ort_session(path, 1)
     outs = [sess.run(names, d) for d in data]
-    return {n: (min(float(o[i].min()) for o in outs), max(float(o[i].max()) for o in outs)) for i, n in enumerate(names)}
+    return {
+        n: (min(float(o[i].min()) for o in outs), max(float(o[i].max()) for o in outs))
+        for i, n in enumerate(names)
+    }
 
 
 def test_rebatch_cuts_and_merges_rows_up_to_the_limit() -> None:
@@ -41,10 +45,16 @@ def test_rebatch_cuts_and_merges_rows_up_to_the_limit() -> None:
     np.testing.assert_array_equal(merged, np.concatenate([b["x"] for b in src])[:9])
 
 
-def test_minmax_ranges_are_exact_and_chunking_does_not_change_them(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_minmax_ranges_are_exact_and_chunking_does_not_change_them(
+    prepared, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     data = list(batches(cnn_inputs, 3, 8))
-    big = calibrate(prepared.path, data, tmp_path / "a", samples=24, methods={"minmax", "percentile"})
-    small = calibrate(prepared.path, data, tmp_path / "b", samples=24, methods={"minmax"}, chunk_mb=16)
+    big = calibrate(
+        prepared.path, data, tmp_path / "a", samples=24, methods={"minmax", "percentile"}
+    )
+    small = calibrate(
+        prepared.path, data, tmp_path / "b", samples=24, methods={"minmax"}, chunk_mb=16
+    )
     assert big.samples == small.samples == 24
     names = sorted(big.ranges)[:6]
     truth = _true_ranges(prepared.path, names, data)
@@ -61,33 +71,75 @@ def test_minmax_ranges_are_exact_and_chunking_does_not_change_them(prepared, tmp
 
 def test_calibration_memory_budget_sets_the_chunk_size(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     data = list(batches(cnn_inputs, 2, 8))
-    assert calibrate(prepared.path, data, tmp_path / "a", samples=16, methods={"minmax"}).chunk_rows > 1
-    assert calibrate(prepared.path, data, tmp_path / "b", samples=16, methods={"minmax"}, chunk_mb=16).chunk_rows >= 1
+    assert (
+        calibrate(prepared.path, data, tmp_path / "a", samples=16, methods={"minmax"}).chunk_rows
+        > 1
+    )
+    assert (
+        calibrate(
+            prepared.path, data, tmp_path / "b", samples=16, methods={"minmax"}, chunk_mb=16
+        ).chunk_rows
+        >= 1
+    )
 
 
 def test_bad_calibration_data_is_a_clear_error(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(DataError, match="no samples"):
         calibrate(prepared.path, [], tmp_path / "e", samples=8, methods={"minmax"})
     with pytest.raises(InputMismatchError, match="named"):
-        calibrate(prepared.path, [{"image": np.zeros((2, 3, 16, 16), np.float32)}], tmp_path / "n", samples=8, methods={"minmax"})
+        calibrate(
+            prepared.path,
+            [{"image": np.zeros((2, 3, 16, 16), np.float32)}],
+            tmp_path / "n",
+            samples=8,
+            methods={"minmax"},
+        )
     with pytest.raises(InputMismatchError, match="shape"):
-        calibrate(prepared.path, [{"x": np.zeros((2, 3, 8), np.float32)}], tmp_path / "s", samples=8, methods={"minmax"})
+        calibrate(
+            prepared.path,
+            [{"x": np.zeros((2, 3, 8), np.float32)}],
+            tmp_path / "s",
+            samples=8,
+            methods={"minmax"},
+        )
 
 
 def test_representativeness_flags_shifted_evaluation_inputs(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     calib = list(batches(cnn_inputs, 2, 16))
-    same = calibrate(prepared.path, calib, tmp_path / "same", samples=32, methods={"minmax"},
-                     eval_batches=list(batches(cnn_inputs, 1, 16, seed=50)), eval_samples=16)
-    shifted = calibrate(prepared.path, calib, tmp_path / "shift", samples=32, methods={"minmax"},
-                        eval_batches=list(batches(cnn_inputs, 1, 16, seed=50, scale=4.0)), eval_samples=16)
+    same = calibrate(
+        prepared.path,
+        calib,
+        tmp_path / "same",
+        samples=32,
+        methods={"minmax"},
+        eval_batches=list(batches(cnn_inputs, 1, 16, seed=50)),
+        eval_samples=16,
+    )
+    shifted = calibrate(
+        prepared.path,
+        calib,
+        tmp_path / "shift",
+        samples=32,
+        methods={"minmax"},
+        eval_batches=list(batches(cnn_inputs, 1, 16, seed=50, scale=4.0)),
+        eval_samples=16,
+    )
     assert same.representativeness["eval_samples"] == 16
     assert len(shifted.representativeness["flagged"]) > len(same.representativeness["flagged"])
     worst = shifted.representativeness["flagged"][0]
     assert worst["exceed_share"] > 0.5 and worst["max_overshoot"] > 0.05
 
 
-def test_distribution_analysis_recommends_percentile_for_heavy_outliers(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    calib = calibrate(prepared.path, list(batches(cnn_inputs, 2, 16)), tmp_path / "d", samples=32, methods={"minmax"})
+def test_distribution_analysis_recommends_percentile_for_heavy_outliers(
+    prepared, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    calib = calibrate(
+        prepared.path,
+        list(batches(cnn_inputs, 2, 16)),
+        tmp_path / "d",
+        samples=32,
+        methods={"minmax"},
+    )
     w = weight_stats(prepared.path, prepared.compute_nodes)
     assert len(w) == len(prepared.compute_nodes)
     summary = analyse(calib, w)

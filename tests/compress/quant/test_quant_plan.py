@@ -46,12 +46,29 @@ def test_config_round_trips_through_a_recipe_and_rejects_bad_values() -> None:
     data = {
         "name": "q",
         "task": "t.py",
-        "steps": [{"quantize": {"mode": "static", "calibration": "percentile", "precision": {"re:.*fc.*": "float"}}}],
+        "steps": [
+            {
+                "quantize": {
+                    "mode": "static",
+                    "calibration": "percentile",
+                    "precision": {"re:.*fc.*": "float"},
+                }
+            }
+        ],
     }
     recipe = recipe_from_dict(data)
     cfg = recipe.steps[0]
-    assert isinstance(cfg, QuantizeConfig) and cfg.calibration == "percentile" and cfg.percentile == 99.99
+    assert (
+        isinstance(cfg, QuantizeConfig)
+        and cfg.calibration == "percentile"
+        and cfg.percentile == 99.99
+    )
     assert recipe_from_dict(recipe.to_dict()) == recipe
-    for bad in ({"calibration": "kl"}, {"precision": {"re:(": "float"}}, {"precision": {"a": "int4"}}, {"bogus": 1}):
+    for bad in (
+        {"calibration": "kl"},
+        {"precision": {"re:(": "float"}},
+        {"precision": {"a": "int4"}},
+        {"bogus": 1},
+    ):
         with pytest.raises(RecipeError):
             recipe_from_dict({**data, "steps": [{"quantize": bad}]})

@@ -1,0 +1,178 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx, text_inputs
+
+from slimline.candidate import Candidate
+from slimline.compress.quant.auto import Search, mixed_precision
+from slimline.compress.quant.calibrate import calibrate
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.plan import resolve_plan
+from slimline.compress.quant.prepare import prepare
+from slimline.compress.quantize import quantize_step
+from slimline.errors import RecipeError
+from slimline.task import Task
+
+
+def _input(onnx_path: Path) -> Candidate:
+    return Candidate("fp32-onnx", "export", None, onnx=onnx_path)
+
+
+def test_auto_mode_records_every_candidate_and_what_it_applied(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    task = cnn_task(cnn_onnx)
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"max_metric_drop": 0.05, "min_cosine": 0.98})
+    out = quantize_step(QuantizeConfig(samples=64), _input(cnn_onnx), ctx)
+    assert out.onnx is not None and (tmp_path / "work") in out.onnx.parents
+    meta = out.meta
+    json.dumps(meta)  # the manifest needs it
+    assert meta["fallback_report"].endswith("quantizable ops run INT8")
+    assert meta["precision_map"]["nodes"]["/c1/Conv"]["rule"] == "first/last compute layer"
+    assert {r["node"] for r in meta["layerwise"]} == {"/c2/Conv", "/c3/Conv", "/c4/Conv"}
+    assert meta["layerwise_statement"].startswith("error concentrates in /c")
+    assert meta["calibration"]["samples"] == 64 and meta["calibration"]["peak_rss_mb"] > 0
+    assert meta["distributions"]["recommendation"]["method"] in ("minmax", "percentile")
+    labels = [c["label"] for c in meta["search"]["candidates"]]
+    assert labels[:2] == [
+        "static QDQ U8S8 per-channel minmax",
+        "static QDQ U8S8 per-channel percentile 99.99",
+    ]
+    assert len(ctx.alternatives) == len(labels) - 1
+    assert all(a.accepted is False and a.reason and a.measurement for a in ctx.alternatives)
+    assert any("fewer than 300" in w for w in ctx.warnings)
+    # the choice follows the measurements it recorded
+    chosen = next(c for c in meta["search"]["candidates"] if c["label"] == meta["label"])
+    if "no_candidate_met_budget" not in meta:
+        assert chosen["budget_ok"] and chosen["ratio_vs_fp32"] < 1 - ctx.recipe.budget.min_gain
+        faster_ok = [
+            c
+            for c in meta["search"]["candidates"]
+            if c["budget_ok"] and c["ratio_vs_fp32"] < chosen["ratio_vs_fp32"]
+        ]
+        assert not any(a.reason.startswith("fastest") for a in ctx.alternatives) and faster_ok == []
+    assert out.measurement is not None and out.measurement["fidelity"]["cosine_mean"] > 0.98
+
+
+def test_a_budget_nobody_meets_ends_cleanly_with_the_best_found_and_why(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    task = cnn_task(cnn_onnx)
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"min_cosine": 1.0})
+    cfg = QuantizeConfig(samples=64, max_float_share=0.34)
+    out = quantize_step(cfg, _input(cnn_onnx), ctx)
+    assert (
+        "no candidate is both faster than FP32 and within budget"
+        in out.meta["no_candidate_met_budget"]
+    )
+    assert "mean cosine" in out.meta["no_candidate_met_budget"]
+    assert out.onnx is not None and out.onnx.is_file()
+    assert all(a.onnx is not None and a.onnx.is_file() for a in ctx.alternatives)
+    assert any("no candidate" in w for w in ctx.warnings)
+
+
+def _widen_range(cache: Path, tensor: str, factor: float) -> None:
+    """Tamper with a calibration cache: one activation gets a range ``factor`` times too wide."""
+    data = json.loads(cache.read_text())
+    data["data"][tensor]["highest"]["data"] *= factor
+    cache.write_text(json.dumps(data))
+
+
+def test_mixed_precision_keeps_the_worst_ranked_node_in_float(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    task = cnn_task(cnn_onnx)
+    prepared = prepare(cnn_onnx, tmp_path / "p", cnn_inputs(0, 1))
+    calib = calibrate(
+        prepared.path,
+        list(batches(cnn_inputs, 4, 16)),
+        tmp_path / "c",
+        samples=64,
+        methods={"minmax"},
+    )
+    c2_input = next(
+        n.input[0] for n in onnx.load(str(prepared.path)).graph.node if n.name == "/c2/Conv"
+    )
+    _widen_range(calib.caches["minmax"], c2_input, 60.0)  # /c2/Conv's input loses 6 bits
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=True)
+    spec = QuantSpec("static")
+    cfg = QuantizeConfig(max_float_share=1.0, layerwise_samples=8)
+    probe = make_ctx(task, cnn_onnx, tmp_path / "w0")
+    s0 = Search(
+        probe,
+        cfg,
+        prepared,
+        calib.caches,
+        tmp_path / "q0",
+        lambda: (x for x, _ in task.eval_data()),
+    )
+    broken = s0.judge(s0.build(spec, plan))
+    fixed = s0.judge(s0.build(spec, plan.with_float(["/c2/Conv"], "test"), "-fixed"))
+    assert broken.quality is not None and fixed.quality is not None
+    assert fixed.quality.cosine_mean > broken.quality.cosine_mean
+    budget = (broken.quality.cosine_mean + fixed.quality.cosine_mean) / 2
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "w1", {"min_cosine": budget})
+    s = Search(
+        ctx, cfg, prepared, calib.caches, tmp_path / "q1", lambda: (x for x, _ in task.eval_data())
+    )
+    base = s.judge(s.build(spec, plan))
+    assert not base.budget_ok
+    best = mixed_precision(s, base)
+    assert best is not None and best.budget_ok
+    assert best.plan.float_nodes == ["/c1/Conv", "/c2/Conv", "/fc/Gemm"]
+    assert best.plan.rule["/c2/Conv"] == "mixed precision"
+    assert s.mixed_trace[-1]["float_nodes_list"] == ["/c2/Conv"]
+    probes = [p for p in s.mixed_trace if "float_nodes" in p]
+    assert probes[0] == {**probes[0], "float_nodes": 3, "ok": True}  # max_float_share=1: all three
+    assert any(p["float_nodes"] == 1 and p["ok"] for p in probes)
+
+
+def test_manual_dynamic_mode_on_a_transformer(encoder_onnx: Path, tmp_path: Path) -> None:
+    from slimline.measure.runners import OrtRunner
+
+    ref = OrtRunner("ref", encoder_onnx, 1)
+    task = Task(
+        name="enc",
+        source="tests",
+        calibration_data=lambda: batches(text_inputs, 2, 8),
+        eval_data=lambda: ((x, None) for x in batches(text_inputs, 1, 16, seed=40)),
+        metric=lambda out, lab: float(out.std()) * 0 + 1.0,
+        output_kind="embedding",
+    )
+    assert ref.run(text_inputs(1, 1)).shape == (1, 64)
+    ctx = make_ctx(task, encoder_onnx, tmp_path / "w", {"min_cosine": 0.95})
+    out = quantize_step(
+        QuantizeConfig(mode="dynamic", samples=16, keep_first_last_float=False),
+        _input(encoder_onnx),
+        ctx,
+    )
+    assert out.meta["label"] == "dynamic S8 per-channel"
+    assert out.meta["kernels"]["kernels"].get("QAttention") == 2
+    assert out.meta["prepared"]["transformer"] is True
+    assert out.measurement is not None and out.measurement["fidelity"]["cosine_mean"] > 0.95
+    assert ctx.alternatives == []
+
+
+def test_precision_map_naming_missing_nodes_is_an_error(cnn_onnx: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(cnn_task(cnn_onnx), cnn_onnx, tmp_path / "w")
+    cfg = QuantizeConfig(mode="static", samples=16, precision={"/no/such/Conv": "float"})
+    with pytest.raises(RecipeError, match="/no/such/Conv"):
+        quantize_step(cfg, _input(cnn_onnx), ctx)
+
+
+def test_a_graph_step_output_is_prepared_from_the_export(cnn_onnx: Path, tmp_path: Path) -> None:
+    from slimline.measure.runners import ort_session
+
+    fused = tmp_path / "graph.onnx"
+    ort_session(cnn_onnx, 1, optimized_out=fused, level="extended")
+    ctx = make_ctx(
+        cnn_task(cnn_onnx), cnn_onnx, tmp_path / "w", {"max_metric_drop": 0.1, "min_cosine": 0.9}
+    )
+    graph = Candidate("graph", "graph", "fp32-onnx", onnx=fused)
+    out = quantize_step(QuantizeConfig(mode="static", samples=16), graph, ctx)
+    assert out.meta["prepared"]["notes"][0].startswith("prepared from fp32-onnx")
+    assert out.meta["kernels"]["int8_kernels"] == 3
