@@ -97,3 +97,14 @@ def test_validation_allows_any_batch_but_checks_fixed_dimensions() -> None:
     validate_inputs(model, {"t": inf}, max_batch=8, allow_nonfinite=True)
     with pytest.raises(ProtocolError, match="NaN or Inf"):
         validate_inputs(model, {"t": inf}, max_batch=8, allow_nonfinite=False)
+
+
+def test_non_finite_json_outputs_stay_non_finite() -> None:
+    spec = [TensorSpec("t", "float32", (None, 2))]
+    model = ServedModel("m", FakeBackend(spec, spec, lambda t: t))
+    req = InferRequest(None, {}, None, False, None)
+    body, _ = encode_response(model, req, {"t": np.array([[np.nan, np.inf]], np.float32)})
+    data = json.loads(body)["outputs"][0]["data"]
+    assert np.isnan(data[0]) and data[1] == np.inf
+    body, _ = encode_response(model, req, {"t": np.array([[0.5, 2.0]], np.float32)})
+    assert json.loads(body)["outputs"][0]["data"] == [0.5, 2.0]

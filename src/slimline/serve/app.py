@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import Field, SecretStr
@@ -197,7 +197,7 @@ def build_app(
 
 
 def _json(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    body = json.dumps(doc, separators=(",", ":"))
+    body = orjson.dumps(doc)
     return Response(body, status, headers=headers, media_type="application/json")
 
 

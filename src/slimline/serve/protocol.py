@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from .model import ServedModel, TensorSpec
 
@@ -143,12 +144,15 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
 
 def _load_json(raw: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        kind = "too deeply nested" if isinstance(err, RecursionError) else "not valid JSON"
-        raise ProtocolError(
-            f"the request body is {kind}; send a v2 inference request object"
-        ) from None
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # the standard parser also reads NaN/Infinity tokens
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            kind = "too deeply nested" if isinstance(err, RecursionError) else "not valid JSON"
+            raise ProtocolError(
+                f"the request body is {kind}; send a v2 inference request object"
+            ) from None
     if not isinstance(doc, dict):
         raise ProtocolError(
             f'the request body is a JSON {type(doc).__name__}; send an object with "inputs"'
@@ -397,6 +401,7 @@ def encode_response(
     wanted = req.outputs or [RequestedOutput(n, None) for n in outputs]
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes] = []
+    finite = True
     for out in wanted:
         if out.name not in outputs:
             raise ProtocolError(
@@ -415,16 +420,25 @@ def encode_response(
             chunks.append(raw)
         else:
             entry["data"] = arr.ravel().tolist()
+            finite = finite and (arr.dtype.kind != "f" or bool(np.isfinite(arr).all()))
         tensors.append(entry)
     doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if req.id is not None:
         doc["id"] = req.id
     doc["outputs"] = tensors
-    head = json.dumps(doc, separators=(",", ":")).encode()
+    head = _dumps(doc, finite)
     if not chunks:
         return head, {"content-type": "application/json"}
     headers = {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
     return b"".join([head, *chunks]), headers
+
+
+def _dumps(doc: dict[str, Any], finite: bool) -> bytes:
+    """orjson when every value is finite; else the standard encoder, which writes NaN/Infinity
+    (as Triton does) where orjson would write null."""
+    if finite:
+        return orjson.dumps(doc)
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def check_requested_outputs(model: ServedModel, req: InferRequest) -> None:
