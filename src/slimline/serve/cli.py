@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from .batcher import BatcherConfig
 __all__ = ["main", "register", "settings_from_args"]
 
 TOKEN_ENV = "SLIMLINE_API_TOKEN"
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -101,6 +103,13 @@ def _token(path: Path | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if settings.api_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s without an API token: anyone who can reach it may call it; "
+            "pass --api-token-file or set %s",
+            settings.host,
+            TOKEN_ENV,
+        )
     if args.backend == "ray":
         from .ray import serve_on_ray
 
@@ -117,8 +126,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m slimline.serve``: the serve command alone."""
-    import logging
-
     parser = argparse.ArgumentParser(prog="slimline serve")
     add_arguments(parser)
     args = parser.parse_args(argv)
