@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 Tensors = dict[str, np.ndarray]
+log = logging.getLogger(__name__)
 
 
 class BatcherError(Exception):
@@ -162,6 +164,11 @@ class DynamicBatcher:
         """Start the collector on the running event loop (idempotent)."""
         if self._collector is None:
             self._collector = asyncio.get_running_loop().create_task(self._collect())
+            self._collector.add_done_callback(self._collector_ended)
+
+    def _collector_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so loudly
+            log.error("batcher of %s stopped", self.name, exc_info=task.exception())
 
     async def submit(self, inputs: Tensors, timeout_s: float | None = None) -> Tensors:
         """Queue one request and wait for its outputs; raises a :class:`BatcherError`."""
