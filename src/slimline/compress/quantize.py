@@ -99,6 +99,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     )
     if note:
         prepared.notes.insert(0, note)
+    t_prep = time.perf_counter() - t0
     plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
     specs = candidate_specs(cfg, prepared) if cfg.mode == "auto" else [QuantSpec.from_config(cfg)]
     methods: set[str] = {s.calibration for s in specs if s.mode == "static"} or {"minmax"}
@@ -112,7 +113,8 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         chosen, rejected, record = search(s, plan, specs)
     else:
         chosen, rejected, record = _single(s, plan, specs[0])
-    rows = layerwise_for(s, chosen)
+    with s.timed("layerwise"):
+        rows = layerwise_for(s, chosen)
     meta = {
         "mode": cfg.mode,
         **describe(s, chosen, rows),
@@ -122,6 +124,11 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         "distributions": dist,
         "search": {**record, "candidates": [_trial_summary(s, t) for t in s.trials]},
         "step_wall_s": round(time.perf_counter() - t0, 2),
+        "timings_s": {
+            "prepare": round(t_prep, 3),
+            "calibrate": round(calib.wall_s, 3),
+            **s.timings,
+        },
     }
     if "no_candidate_met_budget" in record:
         meta["no_candidate_met_budget"] = record["no_candidate_met_budget"]
@@ -186,7 +193,7 @@ def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
 
 
 def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
-    reason = s.reason(t) if t.latency else f"not chosen: {t.budget_reason}"
+    reason = s.reason(t) if s.cfg.mode == "auto" else f"not chosen: {t.budget_reason}"
     if t.latency and t.budget_ok and s.faster(t):
         reason = (
             f"faster than FP32 and within budget, but slower than {chosen.name}: "

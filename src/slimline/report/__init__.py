@@ -20,6 +20,7 @@ SECTION_MODULES: tuple[str, ...] = (
     "slimline.report.core",
     "slimline.loadtest.report",
     "slimline.report.pruning",
+    "slimline.report.quantization",
 )
 
 _SECTIONS: list[tuple[int, str, Section]] = []

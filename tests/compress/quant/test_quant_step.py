@@ -14,6 +14,7 @@ from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import prepare
 from slimline.compress.quantize import quantize_step
+from slimline.context import StepContext
 from slimline.errors import RecipeError
 from slimline.task import Task
 
@@ -22,13 +23,21 @@ def _input(onnx_path: Path) -> Candidate:
     return Candidate("fp32-onnx", "export", None, onnx=onnx_path)
 
 
-def test_auto_mode_records_every_candidate_and_what_it_applied(
-    cnn_onnx: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def auto_run(
+    cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Candidate, StepContext, Path]:
     task = cnn_task(cnn_onnx)
-    ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"max_metric_drop": 0.05, "min_cosine": 0.98})
-    out = quantize_step(QuantizeConfig(samples=64), _input(cnn_onnx), ctx)
-    assert out.onnx is not None and (tmp_path / "work") in out.onnx.parents
+    work = tmp_path_factory.mktemp("auto") / "work"
+    ctx = make_ctx(task, cnn_onnx, work, {"max_metric_drop": 0.05, "min_cosine": 0.98})
+    return quantize_step(QuantizeConfig(samples=64), _input(cnn_onnx), ctx), ctx, work
+
+
+def test_auto_mode_records_every_candidate_and_what_it_applied(
+    auto_run: tuple[Candidate, StepContext, Path],
+) -> None:
+    out, ctx, work = auto_run
+    assert out.onnx is not None and work in out.onnx.parents
     meta = out.meta
     json.dumps(meta)  # the manifest needs it
     assert meta["fallback_report"].endswith("quantizable ops run INT8")
@@ -56,6 +65,34 @@ def test_auto_mode_records_every_candidate_and_what_it_applied(
         ]
         assert not any(a.reason.startswith("fastest") for a in ctx.alternatives) and faster_ok == []
     assert out.measurement is not None and out.measurement["fidelity"]["cosine_mean"] > 0.98
+
+
+def test_report_sections_render_the_step_record(
+    auto_run: tuple[Candidate, StepContext, Path], tmp_path: Path
+) -> None:
+    from slimline.report import quantization
+
+    out, ctx, _ = auto_run
+    chosen = {
+        "name": "quantize",
+        "step": "quantize",
+        "accepted": True,
+        "reason": out.reason,
+        "meta": out.meta,
+    }
+    alts = [
+        {"name": a.name, "step": "quantize", "alternative": True, "reason": a.reason}
+        for a in ctx.alternatives
+    ]
+    manifest = {"candidates": [{"name": "fp32-onnx", "step": "export", "meta": {}}, chosen, *alts]}
+    html = quantization.search(manifest, tmp_path) or ""
+    assert out.meta["fallback_report"] in html and out.meta["label"] in html
+    assert all(a.name in html for a in ctx.alternatives)
+    layer = quantization.layerwise(manifest, tmp_path) or ""
+    assert "<img" in layer and out.meta["layerwise"][0]["node"] in layer
+    dist = quantization.distributions(manifest, tmp_path) or ""
+    assert "Recommended calibration" in dist and "<img" in dist
+    assert quantization.search({"candidates": [chosen | {"step": "graph"}]}, tmp_path) is None
 
 
 def test_a_budget_nobody_meets_ends_cleanly_with_the_best_found_and_why(

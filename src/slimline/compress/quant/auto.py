@@ -4,7 +4,9 @@ against FP32, keep the fastest within budget; keep the worst layers in float whe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,15 @@ class Search:
     eval_inputs: Callable[[], Iterable[Inputs]]
     trials: list[Trial] = field(default_factory=list)
     mixed_trace: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[what] = round(self.timings.get(what, 0.0) + time.perf_counter() - t0, 3)
 
     def build(self, spec: QuantSpec, plan: PrecisionPlan, tag: str = "") -> Trial:
         path = self.out_dir / f"{spec.slug}{tag}.onnx"
@@ -110,7 +121,8 @@ class Search:
 
     def faster(self, trial: Trial) -> bool:
         """Measurably faster than FP32: the median wins by ``min_gain`` and the bands separate."""
-        assert trial.latency is not None and trial.fp32 is not None
+        if trial.latency is None or trial.fp32 is None:
+            return False
         gain = self.ctx.recipe.budget.min_gain
         return (
             trial.p50() < (1.0 - gain) * trial.fp32["p50"]
@@ -122,7 +134,8 @@ class Search:
         return trial.p50() / float(trial.fp32["p50"])
 
     def reason(self, trial: Trial) -> str:
-        assert trial.fp32 is not None
+        if trial.latency is None or trial.fp32 is None:
+            return f"over budget: {trial.budget_reason}; not timed (a candidate within budget was)"
         speed = (
             f"{self.ratio(trial):.2f}x FP32 latency (p50 {trial.p50():.2f} ms vs "
             f"{trial.fp32['p50']:.2f} ms)"
@@ -137,17 +150,31 @@ class Search:
 def search(
     s: Search, plan: PrecisionPlan, specs: list[QuantSpec]
 ) -> tuple[Trial, list[Trial], dict[str, Any]]:
-    """Returns (chosen, rejected, record)."""
-    s.trials = [s.judge(s.build(spec, plan)) for spec in specs]
-    s.measure(s.trials)
-    record: dict[str, Any] = {"fp32_latency_ms": s.trials[0].fp32}
-    good = [t for t in s.trials if t.budget_ok and s.faster(t)]
+    """Build and evaluate every spec; time (interleaved with FP32) those within budget, or all of
+    them when none is; mixed precision from the fastest when none qualifies.
+
+    Returns (chosen, rejected, record)."""
+    with s.timed("quantize"):
+        s.trials = [s.build(spec, plan) for spec in specs]
+    with s.timed("evaluate"):
+        for t in s.trials:
+            s.judge(t)
+    in_budget = [t for t in s.trials if t.budget_ok]
+    with s.timed("compare"):
+        s.measure(in_budget or s.trials)
+    good = [t for t in in_budget if s.faster(t)]
     if not good and s.cfg.mixed_precision:
-        mixed = _mixed_precision(s)
+        untimed = [t for t in s.trials if t.latency is None]
+        if untimed:
+            with s.timed("compare"):
+                s.measure(untimed)  # mixed precision starts from the fastest, in budget or not
+        with s.timed("mixed_precision"):
+            mixed = _mixed_precision(s)
         if mixed is not None:
             s.trials.append(mixed)
             if mixed.budget_ok and s.faster(mixed):
                 good = [mixed]
+    record: dict[str, Any] = {"fp32_latency_ms": next(t.fp32 for t in s.trials if t.fp32)}
     record["mixed_precision"] = s.mixed_trace
     if good:
         chosen = min(good, key=lambda t: t.p50())

@@ -1,0 +1,203 @@
+"""Report sections of the quantize step: the search, the layer-wise error, the distributions."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from . import section
+from .html import fmt, table
+from .plots import figure, png_img
+
+__all__ = ["distributions", "layerwise", "search"]
+
+_BARS = 30
+
+
+def _quantized(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The quantize step's own candidate (the one it picked), if the run has one."""
+    cands = [
+        c
+        for c in m.get("candidates", [])
+        if c.get("step") == "quantize" and not c.get("alternative")
+    ]
+    return cands[-1] if cands and cands[-1].get("meta") else None
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+@section(300, "Quantization (INT8)")
+def search(m: dict[str, Any], run_dir: Path) -> str | None:
+    c = _quantized(m)
+    if c is None:
+        return None
+    meta = c["meta"]
+    out = f"<p>Chosen: <b>{_e(meta.get('label'))}</b>, {_e(meta.get('fallback_report'))}. "
+    out += f"Pipeline decision: {'kept' if c.get('accepted') else 'rejected'}: {_e(c.get('reason'))}</p>"
+    if meta.get("no_candidate_met_budget"):
+        out += f"<p class='warn'>{_e(meta['no_candidate_met_budget'])}</p>"
+    rows = [
+        [
+            _e(t["label"]) + (f" + {t['float_nodes']} float" if t.get("float_nodes") else ""),
+            _e(t["kernels"]),
+            t.get("ratio_vs_fp32"),
+            (t.get("fidelity") or {}).get("cosine_mean"),
+            t.get("metric"),
+            "yes" if t.get("budget_ok") else "no",
+        ]
+        for t in meta.get("search", {}).get("candidates", [])
+    ]
+    out += table(
+        ["candidate", "runs INT8", "latency / FP32", "cosine", "metric", "in budget"], rows
+    )
+    out += _alternatives(m)
+    out += _facts(meta)
+    out += _precision(meta)
+    return out
+
+
+def _alternatives(m: dict[str, Any]) -> str:
+    alts = [
+        a for a in m.get("candidates", []) if a.get("alternative") and a.get("step") == "quantize"
+    ]
+    if not alts:
+        return ""
+    return (
+        "<ul>"
+        + "".join(f"<li><b>{_e(a['name'])}</b>: {_e(a.get('reason'))}</li>" for a in alts)
+        + "</ul>"
+    )
+
+
+def _facts(meta: dict[str, Any]) -> str:
+    cal, rep = meta.get("calibration", {}), meta.get("representativeness", {})
+    rows = [
+        ["graph preparation", _e("; ".join(meta.get("prepared", {}).get("notes", [])) or "-")],
+        [
+            "calibration",
+            _e(
+                f"{cal.get('samples')} samples in chunks of {cal.get('chunk_rows')}, "
+                f"{cal.get('wall_s')} s, peak RSS {cal.get('peak_rss_mb')} MB"
+            ),
+        ],
+        ["step time", _e(f"{meta.get('step_wall_s')} s: {meta.get('timings_s')}")],
+        [
+            "calibration vs evaluation ranges",
+            _e(
+                f"{len(rep.get('flagged', []))} of "
+                f"{rep.get('tensors_checked', 0)} tensors often exceeded"
+            ),
+        ],
+    ]
+    out = table(["", ""], rows)
+    for f in rep.get("flagged", [])[:10]:
+        out += (
+            f"<p class='warn'>evaluation inputs exceed the calibrated range of {_e(f['tensor'])} in "
+            f"{f['exceed_share']:.0%} of samples (by up to {f['max_overshoot']:.2f} range widths)</p>"
+        )
+    for n in meta.get("notes", []):
+        out += f"<p class='warn'>{_e(n)}</p>"
+    return out
+
+
+def _precision(meta: dict[str, Any]) -> str:
+    pm = meta.get("precision_map", {})
+    floats = [(n, d["rule"]) for n, d in pm.get("nodes", {}).items() if d["precision"] == "float"]
+    out = f"<p>Precision map: {pm.get('int8', 0)} INT8, {pm.get('float', 0)} float.</p>"
+    if floats:
+        out += table(["node kept in float", "why"], [[_e(n), _e(r)] for n, r in floats])
+    trace = meta.get("search", {}).get("mixed_precision") or []
+    if trace:
+        out += (
+            "<p>Mixed precision:</p><ul>"
+            + "".join(f"<li>{_e(_step(t))}</li>" for t in trace)
+            + "</ul>"
+        )
+    return out
+
+
+def _step(t: dict[str, Any]) -> str:
+    if "float_nodes" in t:
+        fid = t.get("fidelity") or {}
+        return f"{t['float_nodes']} nodes in float: {'meets' if t['ok'] else 'misses'} the budget (cosine {fmt(fid.get('cosine_mean'), 4)}); {t['reason']}"
+    return "; ".join(f"{k}: {v}" for k, v in t.items() if k != "float_nodes_list")
+
+
+@section(310, "Layer-wise quantization error")
+def layerwise(m: dict[str, Any], run_dir: Path) -> str | None:
+    c = _quantized(m)
+    rows = (c or {}).get("meta", {}).get("layerwise") or []
+    if not rows:
+        return None
+    out = f"<p>{_e(c['meta'].get('layerwise_statement'))}</p>" if c else ""
+    shown = [r for r in rows if r.get("local_sqnr_db") is not None][:_BARS]
+    if shown:
+        fig, ax = figure(7.5, max(2.5, 0.22 * len(shown) + 1))
+        names = [f"{r['node'][-40:]} ({r['op_type']})" for r in shown][::-1]
+        ax.barh(names, [r["local_sqnr_db"] for r in shown][::-1], label="own quantization")
+        ax.plot([r["sqnr_db"] or 0 for r in shown][::-1], names, "k.", label="output (accumulated)")
+        ax.set_xlabel("SQNR vs FP32 (dB), worst first")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=7)
+        out += png_img(fig, "layer-wise SQNR")
+    out += table(
+        ["node", "op", "own SQNR dB", "output SQNR dB", "output cosine"],
+        [
+            [
+                _e(r["node"]),
+                _e(r["op_type"]),
+                r.get("local_sqnr_db"),
+                r.get("sqnr_db"),
+                r.get("cosine"),
+            ]
+            for r in rows
+        ],
+    )
+    return out
+
+
+@section(320, "Activation and weight distributions")
+def distributions(m: dict[str, Any], run_dir: Path) -> str | None:
+    c = _quantized(m)
+    dist = (c or {}).get("meta", {}).get("distributions")
+    if not dist:
+        return None
+    rec = dist.get("recommendation", {})
+    out = f"<p>Recommended calibration: <b>{_e(rec.get('method'))}</b>: {_e(rec.get('reason'))}</p>"
+    hists = dist.get("histograms", {})
+    if hists:
+        n = len(hists)
+        fig, _ = figure(7.5, 1.8 * ((n + 1) // 2))
+        fig.clf()
+        for i, (name, (counts, edges)) in enumerate(hists.items()):
+            ax = fig.add_subplot((n + 1) // 2, 2, i + 1)
+            ax.stairs(counts, edges, fill=True)
+            ax.set_yscale("log")
+            ax.set_title(name[-50:], fontsize=7)
+            ax.tick_params(labelsize=6)
+        out += png_img(fig, "histograms of the activations with the most outliers")
+    cols = ["tensor", "min", "max", "p99.99", "max/p99.99 |x|", "beyond 6 sigma"]
+    for title, key in (
+        ("Activations (most outliers first)", "activations_top"),
+        ("Weights", "weights_top"),
+    ):
+        stats = dist.get(key, {})
+        if stats:
+            out += f"<p>{title}</p>" + table(
+                cols,
+                [
+                    [
+                        _e(k),
+                        s["min"],
+                        s["max"],
+                        s.get("p99_99"),
+                        s["range_ratio"],
+                        s["outlier_share"],
+                    ]
+                    for k, s in stats.items()
+                ],
+            )
+    return out
