@@ -175,3 +175,24 @@ def test_config_round_trips_through_a_recipe() -> None:
         recipe_from_dict(
             {"name": "r", "task": "t.py", "steps": [{"prune": {"ratios": [0.1, 1.5]}}]}
         )
+
+
+def test_another_target_reuses_the_sensitivity_map(
+    digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quick = {**FAST, "steps": 4, "eval_every": 2}
+    first = prune_step(
+        _cfg(rounds=1, finetune=quick), _fp32(digits), make_context(digits, tmp_path / "a")
+    )
+
+    def no_sweep(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("the sensitivity sweep ran again")
+
+    monkeypatch.setattr(prune_mod, "run_sweep", no_sweep)
+    again = prune_step(
+        _cfg(rounds=1, target=0.4, finetune=quick),
+        _fp32(digits),
+        make_context(digits, tmp_path / "b"),
+    )
+    assert again.meta["sensitivity"] == first.meta["sensitivity"]
+    assert again.meta["macs"]["removed"] >= 0.4

@@ -157,11 +157,32 @@ class RoundState:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _state_dir(cfg: PruneConfig, module: Any, task: Task) -> Path:
+def _state_dir(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
     conf = cfg.model_dump(mode="json", exclude={"progress", "workers", "ray_address"})
     conf["finetune"].pop("progress", None)
-    key = json_hash({"input": module_hash(module), "config": conf, "task": task.source})
+    key = json_hash({"input": model_hash, "config": conf, "task": task.source})
     return cache_dir("prune", key.split(":", 1)[1][:32])
+
+
+_SWEEP_KEYS = (
+    "ratios",
+    "max_ratio",
+    "round_to",
+    "keep_first_last",
+    "exclude",
+    "importance",
+    "taylor_batches",
+    "sensitivity_samples",
+)
+
+
+def _sweep_path(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
+    """Where the sensitivity table of this model and sweep setting is kept, so that a run with
+    another target, plan or fine-tuning setting reuses it."""
+    conf = {k: getattr(cfg, k) for k in _SWEEP_KEYS}
+    conf["data"] = cfg.finetune.data  # decides Taylor vs magnitude ranking
+    key = json_hash({"input": model_hash, "sweep": conf, "task": task.source})
+    return cache_dir("prune", "sweeps") / f"{key.split(':', 1)[1][:32]}.json"
 
 
 # -- importance --------------------------------------------------------------------------------
@@ -247,6 +268,7 @@ def _plan(
     cost: CostModel,
     importance: Callable[[], Any],
     state: RoundState,
+    sweep_path: Path,
     base_history: list[list[Any]],
 ) -> tuple[Plan, dict[str, Any] | None]:
     if cfg.plan is not None:
@@ -263,11 +285,15 @@ def _plan(
         round_to=cfg.round_to,
     )
     table = state.data.get("sensitivity")
+    if table is None and sweep_path.is_file():
+        table = json.loads(sweep_path.read_text())
+        log.info("sensitivity map: reusing %s", sweep_path)
     if table is None:
         imp = importance()
         order = {n: graph.removal_order(n, imp) for n in graph.groups}
         graph.model.zero_grad(set_to_none=True)
         table = _sweep(cfg, ctx, graph, order, base_history)
+        atomic_write_json(sweep_path, table)
         state.save(sensitivity=table)
         log.info(
             "sensitivity map: %d jobs in %.1fs (%s)",
@@ -446,7 +472,8 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
         ctx.warn(note)
-    state = RoundState(_state_dir(cfg, module, ctx.task))
+    model_hash = module_hash(module)
+    state = RoundState(_state_dir(cfg, model_hash, ctx.task))
     plan, table = _plan(
         cfg,
         ctx,
@@ -454,6 +481,7 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
         cost,
         lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
         state,
+        _sweep_path(cfg, model_hash, ctx.task),
         base_history,
     )
     state.save(plan=plan.to_dict())
