@@ -212,6 +212,7 @@ def _save_atomic(state: dict[str, Any], path: Path) -> None:
     os.close(fd)
     try:
         torch.save(state, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is a plain shared file
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
