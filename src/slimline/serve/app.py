@@ -35,7 +35,7 @@ from .batcher import (
     QueueFull,
     ShuttingDown,
 )
-from .metrics import ServeMetrics
+from .metrics import ModelObserver, ServeMetrics
 from .model import ModelInputError, ServedModel
 from .protocol import (
     HEADER_LENGTH,
@@ -89,6 +89,7 @@ class ServerState:
         self.models = {m.name: m for m in models}
         self.metrics = ServeMetrics(settings.batching.max_batch_size)
         self.batchers: dict[str, DynamicBatcher] = {}
+        self.observers: dict[str, ModelObserver] = {}
         self.warm: set[str] = set()
         self.warmup_error: str | None = None
         self.draining = False
@@ -105,7 +106,7 @@ class ServerState:
             fixed = model.fixed_batch()
             if fixed is not None:
                 cfg = cfg.model_copy(update={"max_batch_size": fixed})
-            observer = self.metrics.add_model(name)
+            observer = self.observers[name] = self.metrics.add_model(name)
             batcher = DynamicBatcher(
                 model.backend.run, cfg, stack=fixed is None, observer=observer, name=name
             )
@@ -316,17 +317,17 @@ async def _infer(state: ServerState, request: Request, name: str, version: str |
         return problem
     assert model is not None
     started = time.perf_counter()
-    inflight = state.metrics.inflight.labels(name)
-    inflight.inc()
+    series = state.observers[name]
+    series.inflight.inc()
     outcome = "error"
     try:
         response, outcome = await _answer(state, model, request)
         if outcome == "ok":
-            state.metrics.latency.labels(name).observe(time.perf_counter() - started)
+            series.latency.observe(time.perf_counter() - started)
         return response
     finally:
-        inflight.dec()
-        state.metrics.requests.labels(name, outcome).inc()
+        series.inflight.dec()
+        series.requests[outcome].inc()
 
 
 async def _answer(state: ServerState, model: ServedModel, request: Request) -> tuple[Response, str]:

@@ -79,9 +79,13 @@ class ServeMetrics:
 
 
 class ModelObserver:
-    """The batcher's observer for one model: queue depth, batch sizes, queue/compute time."""
+    """One model's series: the batcher's observer (queue depth, batch sizes, queue/compute
+    time) and the request-level children, looked up once rather than per request."""
 
     def __init__(self, metrics: ServeMetrics, model: str) -> None:
+        self.inflight = metrics.inflight.labels(model)
+        self.latency = metrics.latency.labels(model)
+        self.requests = {o: metrics.requests.labels(model, o) for o in OUTCOMES}
         self._depth = metrics.depth.labels(model)
         self._batch = metrics.batch.labels(model)
         self._queue = metrics.queue.labels(model)
