@@ -305,3 +305,13 @@ def test_api_token_guards_everything_but_health() -> None:
         good = {"Authorization": "Bearer s3cret"}
         r = c.post("/v2/models/fake/infer", json=fake_body(), headers=good)
         assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2.0, 2.0]
+
+
+def test_pre_and_post_processing_wrap_the_model() -> None:
+    model = fake_model(
+        preprocess=lambda t: {"x": t["x"] * 2.0},
+        postprocess=lambda t: {"y": t["y"] + 100.0},
+    )
+    with run_in_thread([model], ServeSettings(port=0)) as url:
+        r = httpx.post(url + "/v2/models/fake/infer", json=fake_body())
+    assert r.json()["outputs"][0]["data"] == [103.0, 103.0]  # (1 * 2 + 1) + 100
