@@ -51,7 +51,7 @@ def measure(name: str, seconds: float) -> dict[str, Any]:
     loads = payloads(rows, "binary")
     servers = []
     for instances, threads in ((1, 2), (2, 1)):
-        max_batch = min(max(8, batch), 32)
+        max_batch = min(max(8, batch), 64)
         flags = ["--threads", str(threads), "--instances", str(instances),
                  "--max-batch-size", str(max_batch), "--max-queue-delay-ms", "2",
                  "--max-queue-size", "512", "--timeout-ms", "60000"]  # fmt: skip
