@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from pydantic import SecretStr
 
+from slimline.errors import ServeError
 from slimline.serve import (
     BatcherConfig,
     FakeBackend,
@@ -315,3 +316,14 @@ def test_pre_and_post_processing_wrap_the_model() -> None:
     with run_in_thread([model], ServeSettings(port=0)) as url:
         r = httpx.post(url + "/v2/models/fake/infer", json=fake_body())
     assert r.json()["outputs"][0]["data"] == [103.0, 103.0]  # (1 * 2 + 1) + 100
+
+
+def test_a_model_failing_warm_up_stops_the_server_with_the_reason() -> None:
+    def broken(_: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise RuntimeError("no kernel for this op")
+
+    spec = [TensorSpec("x", "float32", (None, 2))]
+    model = ServedModel("broken", FakeBackend(spec, spec, broken))
+    server = run_in_thread([model], ServeSettings(port=0))
+    with pytest.raises(ServeError, match=r"warm-up of model 'broken' failed \(no kernel"):
+        server.__enter__()

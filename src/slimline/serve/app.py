@@ -94,6 +94,7 @@ class ServerState:
         self.warmup_error: str | None = None
         self.draining = False
         self.processing = ThreadPoolExecutor(settings.processing_threads, "pre-post")
+        self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
         self._warmup: asyncio.Task[None] | None = None
 
     @property
@@ -124,8 +125,13 @@ class ServerState:
                         self.processing, model.backend.run, example_inputs(model, size)
                     )
             except Exception as err:
-                self.warmup_error = f"warm-up of model {name!r} failed: {err}"
+                self.warmup_error = (
+                    f"warm-up of model {name!r} failed ({err}); check that the model runs "
+                    "with ONNX Runtime on this machine"
+                )
                 log.error("%s", self.warmup_error)
+                if self.on_fatal is not None:
+                    self.on_fatal()
                 return
             self.warm.add(name)
             log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())

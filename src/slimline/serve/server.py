@@ -42,6 +42,10 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        state.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
@@ -90,6 +94,8 @@ def serve_forever(models: list[ServedModel], settings: ServeSettings) -> None:
     server = _server(models, settings)
     print(READY_LINE + _url(sock), flush=True)
     server.run(sockets=[sock])
+    if server.state.warmup_error:
+        raise ServeError(server.state.warmup_error)
 
 
 @contextmanager
