@@ -81,3 +81,10 @@ def test_the_command_serves_over_http(model_dir: Path, tmp_path: Path) -> None:
         meta = httpx.get(url + "/v2/models/tiny", headers=auth).json()
         assert meta["inputs"][0]["shape"] == [-1, 4]
         assert httpx.get(url + "/v2/models/tiny").status_code == 401
+
+
+def test_backend_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "m.onnx", "--replicas", "2"]) == 2
+    assert "--replicas needs --backend ray" in capsys.readouterr().err
+    assert main(["serve", "m.onnx", "--backend", "ray", "--port", "0"]) == 2
+    assert "fixed --port" in capsys.readouterr().err

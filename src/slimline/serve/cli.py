@@ -101,7 +101,15 @@ def _token(path: Path | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def _check_backend(args: argparse.Namespace) -> None:
+    if args.backend == "local" and args.replicas != 1:
+        raise ServeError("--replicas needs --backend ray; add it or drop --replicas")
+    if args.backend == "ray" and args.port == 0:
+        raise ServeError("--backend ray needs a fixed --port (Ray's proxy cannot pick one)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_backend(args)
     settings = settings_from_args(args)
     if settings.api_token is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
