@@ -21,7 +21,7 @@ from ..task import Inputs
 from .quant.auto import (
     Search,
     Trial,
-    candidate_specs,
+    candidates,
     describe,
     layerwise_for,
     mixed_precision,
@@ -101,8 +101,12 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         prepared.notes.insert(0, note)
     t_prep = time.perf_counter() - t0
     plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
-    specs = candidate_specs(cfg, prepared) if cfg.mode == "auto" else [QuantSpec.from_config(cfg)]
-    methods: set[str] = {s.calibration for s in specs if s.mode == "static"} or {"minmax"}
+    tries = (
+        candidates(cfg, prepared, plan)
+        if cfg.mode == "auto"
+        else [(QuantSpec.from_config(cfg), plan)]
+    )
+    methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
     calib = _calibrate(cfg, prepared, methods, ctx)
     dist = analyse(calib, weight_stats(prepared.path, plan.int8_nodes))
     s = Search(
@@ -110,9 +114,9 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     )
     s.out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.mode == "auto":
-        chosen, rejected, record = search(s, plan, specs)
+        chosen, rejected, record = search(s, tries)
     else:
-        chosen, rejected, record = _single(s, plan, specs[0])
+        chosen, rejected, record = _single(s, plan, tries[0][0])
     with s.timed("layerwise"):
         rows = layerwise_for(s, chosen)
     meta = {

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from slimline.compress.quant.auto import candidates
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.compress.quant.plan import resolve_plan
+from slimline.compress.quant.prepare import Prepared
 from slimline.errors import RecipeError
 from slimline.recipe import recipe_from_dict
 
@@ -72,3 +76,36 @@ def test_config_round_trips_through_a_recipe_and_rejects_bad_values() -> None:
     ):
         with pytest.raises(RecipeError):
             recipe_from_dict({**data, "steps": [{"quantize": bad}]})
+
+
+def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path) -> None:
+    nodes = ["Attention_0", "/l0/ffn/MatMul", "Attention_1", "/l1/ffn/MatMul"]
+    bert = Prepared(
+        tmp_path / "m.onnx", nodes, {n: n.split("_")[0].split("/")[-1] for n in nodes}, True, {}
+    )
+    plan = resolve_plan(nodes, {}, keep_first_last_float=True)
+    tries = candidates(QuantizeConfig(), bert, plan)
+    labels = [(spec.label, p.tag) for spec, p in tries]
+    assert labels == [
+        ("static QDQ U8S8 per-channel minmax", ""),
+        ("static QDQ U8S8 per-channel percentile 99.99", ""),
+        ("dynamic S8 per-channel", ""),
+        ("dynamic S8 per-channel", "-edges-int8"),
+    ]
+    assert tries[3][1].float_nodes == [] and tries[2][1].float_nodes == [
+        "Attention_0",
+        "/l1/ffn/MatMul",
+    ]
+    # an explicit rule is obeyed; a CNN gets no dynamic candidate
+    assert len(candidates(QuantizeConfig(keep_first_last_float=True), bert, plan)) == 3
+    cnn = Prepared(
+        tmp_path / "c.onnx",
+        ["/a/Conv", "/b/Conv", "/fc/Gemm"],
+        {"/a/Conv": "Conv", "/b/Conv": "Conv", "/fc/Gemm": "Gemm"},
+        False,
+        {},
+    )
+    assert [
+        s.mode
+        for s, _ in candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True))
+    ] == ["static", "static"]

@@ -9,7 +9,11 @@ from typing import Any
 from ...errors import RecipeError
 from .config import Precision
 
-__all__ = ["PrecisionPlan", "resolve_plan"]
+__all__ = ["EDGES_FLOAT", "EDGES_INT8", "MIXED", "PrecisionPlan", "resolve_plan"]
+
+EDGES_FLOAT = "first/last compute layer"
+EDGES_INT8 = "first/last compute layer, INT8 tried by automatic mode"
+MIXED = "mixed precision"
 
 
 @dataclass
@@ -32,6 +36,22 @@ class PrecisionPlan:
         for n in nodes:
             precision[n], rules[n] = "float", rule
         return PrecisionPlan(precision, rules)
+
+    def with_int8(self, nodes: list[str], rule: str) -> PrecisionPlan:
+        precision, rules = dict(self.precision), dict(self.rule)
+        for n in nodes:
+            precision[n], rules[n] = "int8", rule
+        return PrecisionPlan(precision, rules)
+
+    @property
+    def tag(self) -> str:
+        """A short suffix naming how this plan departs from the defaults."""
+        rules = set(self.rule.values())
+        if MIXED in rules:
+            return f"-mixed{sum(r == MIXED for r in self.rule.values())}"
+        if EDGES_INT8 in rules:
+            return "-edges-int8"
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,7 +85,7 @@ def resolve_plan(
         if hit is not None:
             precision[node], rule[node] = hit[1], f"precision map ({hit[0]})"
         elif node in edge:
-            precision[node], rule[node] = "float", "first/last compute layer"
+            precision[node], rule[node] = "float", EDGES_FLOAT
         else:
             precision[node], rule[node] = "int8", "default"
     return PrecisionPlan(precision, rule)
