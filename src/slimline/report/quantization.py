@@ -179,7 +179,7 @@ def distributions(m: dict[str, Any], run_dir: Path) -> str | None:
             ax.set_title(name[-50:], fontsize=7)
             ax.tick_params(labelsize=6)
         out += png_img(fig, "histograms of the activations with the most outliers")
-    cols = ["tensor", "min", "max", "p99.99", "max/p99.99 |x|", "beyond 6 sigma"]
+    cols = ["tensor", "min", "max", "p99", "max |x| / std", "share beyond 6 std"]
     for title, key in (
         ("Activations (most outliers first)", "activations_top"),
         ("Weights", "weights_top"),
@@ -193,8 +193,8 @@ def distributions(m: dict[str, Any], run_dir: Path) -> str | None:
                         _e(k),
                         s["min"],
                         s["max"],
-                        s.get("p99_99"),
-                        s["range_ratio"],
+                        s.get("p99"),
+                        s["absmax_over_std"],
                         s["outlier_share"],
                     ]
                     for k, s in stats.items()
