@@ -30,7 +30,7 @@ from ...measure.runners import ort_session, session_input_spec
 from ...task import Inputs, check_inputs, iter_rows
 from .prepare import quiet
 
-__all__ = ["Calibration", "TensorStats", "calibrate", "rebatch", "static_op_types"]
+__all__ = ["Calibration", "RssSampler", "TensorStats", "calibrate", "rebatch", "static_op_types"]
 
 log = logging.getLogger("slimline.quantize")
 
@@ -140,7 +140,7 @@ def _concat(parts: list[Inputs]) -> Inputs:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-class _RssSampler:
+class RssSampler:
     """Samples this process's RSS every 20 ms; ``peak_mb`` is the highest seen."""
 
     def __init__(self) -> None:
@@ -155,7 +155,7 @@ class _RssSampler:
         while not self._stop.wait(0.02):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
-    def __enter__(self) -> _RssSampler:
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -194,7 +194,7 @@ def calibrate(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with _RssSampler() as rss, quiet():
+    with RssSampler() as rss, quiet():
         calibrator = create_calibrator(
             model,
             op_types or static_op_types(),
