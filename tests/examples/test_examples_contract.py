@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,11 +32,15 @@ def test_registry_lists_importable_task_modules() -> None:
 
 def test_importing_examples_loads_no_model_library() -> None:
     code = (
-        "import sys, slimline.examples.mnist, slimline.examples.minilm; "
-        "print(sorted(m for m in ('torch', 'transformers', 'mlxtend', 'gensim') if m in sys.modules))"
+        "import os, sys, slimline.examples.mnist, slimline.examples.minilm; "
+        "print(sorted(m for m in ('torch', 'transformers', 'mlxtend', 'gensim') if m in sys.modules)); "
+        "print(os.environ.get('HF_HUB_OFFLINE'))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.split() == ["[]", "1"]  # offline before transformers is ever imported
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_minilm_fp32_pearson_on_lee_corpus(minilm_model: torch.nn.Module) -> Non
 
 def test_minilm_exports_and_onnx_runtime_agrees(minilm_model: torch.nn.Module) -> None:
     batch = next(iter(minilm.calibration_data()))
-    small = {k: v[:2] for k, v in batch.items()}
+    small = {k: v[:1] for k, v in batch.items()}  # traced at batch 1
     names = list(minilm.INPUT_NAMES)
     sess = _ort(minilm_model, tuple(torch.from_numpy(small[n]) for n in names), names)
     # a different batch size and different padding than the export sample

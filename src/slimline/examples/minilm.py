@@ -36,6 +36,10 @@ import numpy as np
 
 from ..errors import DataError, TaskError
 
+# transformers must never reach for the network: the model and tokenizer load from a local
+# folder. The flag is read when huggingface_hub is imported, so set it before that happens.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 NAME = "minilm"
 METRIC_NAME = "lee_pearson"
 OUTPUT_KIND = "embedding"
@@ -141,7 +145,6 @@ def train_sentences() -> tuple[str, ...]:
 
 @cache
 def tokenizer() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir()))
@@ -210,7 +213,6 @@ def metric(outputs: np.ndarray, labels: np.ndarray) -> float:
 
 def model() -> Any:
     """all-MiniLM-L6-v2 with mean pooling and L2 normalisation, FP32, eval mode."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModel
 
     from ._sentence import SentenceEncoder
