@@ -87,6 +87,7 @@ def _figures(m: dict[str, Any], wall: float) -> dict[str, Any]:
         "macs_removed": (meta.get("macs") or {}).get("removed"),
         "params_removed": (meta.get("params") or {}).get("removed"),
         "plan": meta.get("plan"),
+        "sweep_reused": bool((meta.get("sensitivity") or {}).get("reused")),
         "prune": fig(prune),
         "int8": fig(quant),
         "wall_s": wall,
@@ -146,7 +147,8 @@ def _section(example: str, f: dict[str, Any], cmd: str) -> str:
         f"## {example}: prune -> graph -> INT8 (`{example}-prune`)",
         "",
         f"{hw.get('cpu')} x{hw.get('cores')}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-        f"run directory `{f['run_dir']}`; recipe wall time {f['wall_s']:.0f} s (cold step cache).",
+        f"run directory `{f['run_dir']}`; recipe wall time {f['wall_s']:.0f} s (cold step cache"
+        f"{'; sensitivity map reused from an earlier run' if f['sweep_reused'] else ''}).",
         "",
         f"MACs removed {f['macs_removed']:.1%}, parameters removed {f['params_removed']:.1%}.",
         "",

@@ -52,6 +52,7 @@ def _facts(c: dict[str, Any]) -> str:
             "sensitivity sweep",
             f"{sweep.get('jobs', '-')} jobs, {sweep.get('seconds', '-')} s, "
             f"{html.escape(str(sweep.get('backend', '-')))}, {sweep.get('samples', '-')} samples"
+            f"{' (reused from the cache)' if sweep.get('reused') else ''}"
             if sweep
             else "skipped (plan given)",
         ],

@@ -286,7 +286,7 @@ def _plan(
     )
     table = state.data.get("sensitivity")
     if table is None and sweep_path.is_file():
-        table = json.loads(sweep_path.read_text())
+        table = {**json.loads(sweep_path.read_text()), "reused": str(sweep_path)}
         log.info("sensitivity map: reusing %s", sweep_path)
     if table is None:
         imp = importance()
