@@ -16,6 +16,7 @@ Order of work:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -415,8 +416,15 @@ def _measure_all(run: Run) -> None:
 def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
     bench: BenchConfig = run.recipe.bench
     sample = run.task.sample_inputs(max(bench.batch_sizes))
+    before = _load_check(run, "before")
     with _timed("benchmark (interleaved)"):
         figures = benchmark(cands, sample, bench, run.threads, desc="measure all candidates")
+    run.extra["measurement_conditions"] = {
+        "load_before": before,
+        "load_after": _load_check(run, "after"),
+        "cores": os.cpu_count(),
+        "threads": run.threads,
+    }
     for c in cands:
         q = _quality(run, c)
         f = figures[c.name]
@@ -429,6 +437,26 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     return figures
 
 
+def _load_check(run: Run, when: str) -> float:
+    """The 1-minute load average; a warning when other work competes for the cores.
+
+    Interleaving protects ratios from slow drifts, not from oversubscription: when more
+    runnable threads than cores compete, multi-threaded kernels wait on each other and absolute
+    figures (and even ratios) stop meaning much. The manifest says so rather than hiding it.
+    """
+    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    if load > cores + 0.5:
+        msg = (
+            f"machine busy {when} measuring (load {load:.1f} on {cores} cores): latency figures are "
+            "inflated and less reliable; measure on a quiet machine"
+        )
+        if msg not in run.warnings:
+            run.warnings.append(msg)
+        log.warning(msg)
+    return round(load, 2)
+
+
 def _profile(run: Run) -> None:
     from .measure.distributions import weight_stats
     from .measure.opprofile import profile_ops
@@ -439,10 +467,14 @@ def _profile(run: Run) -> None:
     }
     selected = _selected(run)
     profiles = {}
-    for name in {"fp32-onnx", selected.name} & set(targets):
-        profiles[name] = profile_ops(targets[name].onnx, sample, run.threads)
+    for name in sorted({"fp32-onnx", selected.name} & set(targets)):
+        path = targets[name].onnx
+        assert path is not None
+        profiles[name] = profile_ops(path, sample, run.threads)
     run.extra["profiles"] = profiles
-    run.extra["weight_distributions"] = weight_stats(run.baseline.onnx)
+    baseline = run.baseline.onnx
+    assert baseline is not None
+    run.extra["weight_distributions"] = weight_stats(baseline)
 
 
 # ---------------------------------------------------------------------------------------------
