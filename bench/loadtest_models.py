@@ -8,17 +8,22 @@ against a real ``slimline serve`` child process on this machine:
 2. ``slimline capacity`` for ``--peak-qps`` (5,000) with ``--headroom`` (40%) from each sweep;
 3. ``slimline tune-serving`` on the run (a bounded grid), against the default settings.
 
-    nice -n 10 .venv/bin/python bench/loadtest_models.py /tmp/runs/mnist --slo-p99-ms 50 \
+    .venv/bin/python bench/loadtest_models.py /tmp/runs/mnist --slo-p99-ms 50 \
         --out bench/out/loadtest/mnist.json
 
 The generator and the server share this machine's cores, so the knees are what one such machine
-serves while also generating its own load: a lower bound for a dedicated server.
+serves while also generating its own load: a lower bound for a dedicated server. Each server runs
+at nice 10 (the heavy side) and the light generator at the default priority, so the generator
+keeps its schedule on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +36,17 @@ from slimline.loadtest.tune import ServeSetting, TuneConfig, run_variants, tune_
 from slimline.serve import run_in_subprocess
 
 
+@contextmanager
+def niced_server(path: Path, serve_args: list[str]) -> Iterator[str]:
+    """`slimline serve` in a child at nice 10: the heavy side yields the CPU, the generator keeps time."""
+    with run_in_subprocess([path], serve_args) as (url, proc):
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():  # every thread: nice is per thread
+            os.setpriority(os.PRIO_PROCESS, int(task.name), 10)
+        yield url
+
+
 def sweep_variant(path: Path, payloads: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    with run_in_subprocess([path], ServeSetting().args()) as (url, _proc):
+    with niced_server(path, ServeSetting().args()) as url:
         base = LoadTestConfig(
             url=url,
             model=path.stem,
@@ -101,7 +115,7 @@ def main() -> None:
         max_configs=args.tune_max_configs,
         max_lag_ms=args.max_lag_ms,
     )
-    tune = tune_serving(args.run_dir, tune_cfg)
+    tune = tune_serving(args.run_dir, tune_cfg, start_server=niced_server)
     write_json(args.out.with_name(f"{args.out.stem}-tune.json"), tune)
     doc["tune"] = {k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command")}
     doc["tune"]["configs"] = [

@@ -57,7 +57,7 @@ class MetricsWatcher:
     """Samples ``/metrics`` every ``interval_s`` in a thread between ``start()`` and ``stop()``."""
 
     def __init__(
-        self, url: str, model: str, headers: dict[str, str] | None = None, interval_s: float = 0.25
+        self, url: str, model: str, headers: dict[str, str] | None = None, interval_s: float = 0.5
     ):
         self.url, self.model, self.headers, self.interval_s = url, model, headers, interval_s
         self.first: dict[str, float] | None = None
