@@ -73,7 +73,7 @@ class TensorStats:
         a = sample.astype(np.float64)
         self.count += a.size
         self.total += float(a.sum())
-        self.total_sq += float(np.dot(a, a))
+        self.total_sq += float(np.square(a).sum())  # not np.dot: BLAS threads spin under load
 
     @property
     def mean(self) -> float:
