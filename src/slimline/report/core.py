@@ -22,7 +22,7 @@ def run_facts(m: dict[str, Any], run_dir: Path) -> str:
         ["metric", m["task"]["metric_name"]],
         ["selected", m.get("selected")],
         ["target", f"{m['target']['runtime']}, {m['target']['threads']} threads"],
-        ["budget", html.escape(str(m["recipe"].get("budget")))],
+        ["budget", ", ".join(f"{k}={v}" for k, v in (m["recipe"].get("budget") or {}).items())],
         ["hardware", f"{hw.get('cpu')} x{hw.get('cores')} ({', '.join(hw.get('flags', []))})"],
         ["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
         ["created", m.get("created")],
