@@ -139,6 +139,17 @@ def data_hash(batches: Iterable[Any]) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def code_hash() -> str:
+    """Hash of slimline's own source files, so a changed step implementation misses the cache
+    even when the version number did not move (development installs)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return "sha256:" + h.hexdigest()[:16]
+
+
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in _PACKAGES:
@@ -146,6 +157,7 @@ def versions() -> dict[str, str | None]:
             out[pkg.replace("-", "_")] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg.replace("-", "_")] = None
+    out["slimline_code"] = code_hash()
     return out
 
 
