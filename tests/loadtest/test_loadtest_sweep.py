@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from slimline.errors import LoadTestError
 from slimline.loadtest import cli as lt_cli
 from slimline.loadtest.report import _section, write_standalone
 from slimline.loadtest.stubserver import stub_server
@@ -157,3 +158,23 @@ def test_report_section_shows_capacity_and_tune_results(tmp_path: Path) -> None:
     assert "<b>21 machines</b>" in html and "63% with one machine down" in html
     assert "<b>quantize</b>" in html and "812.0" in html and "dominated" in html
     assert _section({}, tmp_path / "missing") is None
+
+
+def test_an_invalid_step_is_repeated_once_then_stops_the_sweep() -> None:
+    calls: list[float] = []
+
+    def flaky(rate: float) -> dict:
+        calls.append(rate)
+        step = _step(rate, 10)
+        step["valid"] = not (rate == 40 and calls.count(40) == 1)  # invalid the first time only
+        step["invalid_reason"] = "lag"
+        return step
+
+    doc = run_sweep(SweepConfig(slo_p99_ms=50, rates=[20, 40], pause_s=0), flaky)
+    assert calls == [20, 40, 40] and doc["steps"][1]["retried"] is True
+
+    def broken(rate: float) -> dict:
+        return {**_step(rate, 10), "valid": False, "invalid_reason": "schedule lag p99 99 ms"}
+
+    with pytest.raises(LoadTestError, match="sweep step at 20 rps is invalid: schedule lag"):
+        run_sweep(SweepConfig(slo_p99_ms=50, rates=[20, 40], pause_s=0), broken)

@@ -4,7 +4,8 @@ The knee is the highest offered rate at which p99 stays within the SLO, errors s
 ``max_error_rate`` and the achieved rate tracks the offered one (``achieved >= track_ratio x
 offered``). Steps rise geometrically from ``start_rate`` by ``factor`` (or follow ``rates``)
 until one fails; then ``refine`` bisection steps narrow the bracket between the last passing and
-the first failing rate.
+the first failing rate. A step whose measurement is invalid (the generator fell behind its
+schedule) is repeated once; invalid twice, it stops the sweep with an error.
 
 Result (``"kind": "sweep"``)::
 
@@ -157,7 +158,13 @@ def _run_one(
     if steps and cfg.pause_s:
         time.sleep(cfg.pause_s)
     step = run_step(rate)
-    if not step.get("valid", True):
+    if not step.get("valid", True) and not step.get("partial"):
+        # one retry: a busy machine can stall the generator once; twice in a row is a verdict
+        log.warning("step %g rps invalid (%s); repeating it once", rate, step["invalid_reason"])
+        time.sleep(cfg.pause_s)
+        step = run_step(rate)
+        step["retried"] = True
+    if not step.get("valid", True) and not step.get("partial"):
         raise LoadTestError(f"sweep step at {rate:g} rps is invalid: {step['invalid_reason']}")
     passed, why = judge_step(step, cfg.slo_p99_ms, cfg.max_error_rate, cfg.track_ratio)
     step["passed"], step["why"] = passed, why
