@@ -104,6 +104,7 @@ def test_search_picks_the_fast_variant_and_drops_the_dominated_one(tmp_path: Pat
         step_warmup_s=0.2,
         max_steps=3,
         max_lag_ms=1000,
+        min_requests=10,
     )
     doc = tune_serving(run, cfg, start_server=_stub_starter({"fast": 2.0, "slow": 20.0}, started))
     assert doc["kind"] == "tune-serving" and doc["best"]["variant"] == "fast"
@@ -137,6 +138,7 @@ def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
         max_steps=2,
         max_configs=1,
         max_lag_ms=1000,
+        min_requests=10,
     )
     doc = tune_serving(run, cfg)
     (entry,) = doc["configs"]

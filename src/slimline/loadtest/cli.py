@@ -76,6 +76,12 @@ def _register_loadtest(sub: Any) -> None:
     sw.add_argument("--max-steps", type=int, default=15)
     sw.add_argument("--refine", type=int, default=2, help="bisection steps after the first failure")
     sw.add_argument("--max-error-rate", type=float, default=0.01)
+    sw.add_argument(
+        "--min-requests",
+        type=int,
+        default=200,
+        help="a step lasts long enough for this many requests (up to 30 s)",
+    )
     sw.add_argument("--no-scrape", action="store_true", help="do not read the server's /metrics")
     sw.add_argument("--no-html", action="store_true", help="no .html/.png next to --out")
     p.set_defaults(func=_loadtest_cmd)
@@ -251,7 +257,13 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
             load_samples(base.inputs or base.model), base.encoding, base.batch_size
         )
         preflight(base.url, base.model, payloads[0], base.token)
-        runner = http_step_runner(base, scrape=not args.no_scrape, stop=stop, payloads=payloads)
+        runner = http_step_runner(
+            base,
+            scrape=not args.no_scrape,
+            stop=stop,
+            payloads=payloads,
+            min_requests=args.min_requests,
+        )
         doc = run_sweep(sweep_cfg, runner, {"url": base.url, "model": base.model}, stop=stop)
     _print_sweep(doc)
     if args.out is not None:

@@ -105,8 +105,14 @@ def http_step_runner(
     scrape: bool = True,
     stop: Any = None,
     payloads: list[Payload] | None = None,
+    min_requests: int = 200,
+    max_step_s: float = 30.0,
 ) -> StepRunner:
-    """Run one step at ``rate`` against a real server, with its /metrics watched."""
+    """Run one step at ``rate`` against a real server, with its /metrics watched.
+
+    A step lasts ``base.duration_s``, or longer at low rates, so that it holds ``min_requests``
+    (a p99 needs a few hundred samples), up to ``max_step_s``.
+    """
     headers = {"Authorization": f"Bearer {base.token}"} if base.token else None
     if payloads is None:
         payloads = build_payloads(
@@ -114,7 +120,10 @@ def http_step_runner(
         )
 
     def step(rate: float) -> dict[str, Any]:
-        cfg = base.model_copy(update={"rate": rate})
+        duration = min(max(base.duration_s or 10.0, min_requests / rate), max_step_s)
+        cfg = base.model_copy(
+            update={"rate": rate, "duration_s": max(duration, base.duration_s or 0)}
+        )
         watcher = MetricsWatcher(base.url, base.model, headers).start() if scrape else None
         result = run_loadtest(cfg, stop=stop, payloads=payloads)
         result["server"] = watcher.stop() if watcher is not None else None

@@ -69,6 +69,7 @@ class TuneConfig(Config):
     factor: float = Field(1.4, gt=1)
     refine: int = Field(1, ge=0)
     max_steps: int = Field(12, ge=1, description="steps per sweep")
+    min_requests: int = Field(200, ge=1, description="requests per sweep step, at least")
     step_duration_s: float = Field(3.0, gt=0)
     step_warmup_s: float = Field(1.0, ge=0)
     dominated_ratio: float = Field(0.7, gt=0, lt=1)
@@ -199,7 +200,9 @@ class _Search:
             max_steps=c.max_steps,
             pause_s=0.3,
         )
-        runner = http_step_runner(base, scrape=True, stop=self.stop, payloads=self.payloads)
+        runner = http_step_runner(
+            base, scrape=True, stop=self.stop, payloads=self.payloads, min_requests=c.min_requests
+        )
         return run_sweep(sweep_cfg, runner, {"url": url, "model": model}, stop=self.stop)
 
     def alive(self, variants: list[str]) -> list[str]:
