@@ -364,6 +364,8 @@ async def _answer(state: ServerState, model: ServedModel, request: Request) -> t
 
 async def _run_request(state: ServerState, model: ServedModel, request: Request) -> Response:
     settings = state.settings
+    batcher = state.batchers[model.name]
+    batcher.check_admission()  # under overload, refuse before reading and decoding the body
     timeout_s = _header_timeout(request.headers.get(TIMEOUT_HEADER))
     body = await _read_body(request, settings.max_body_bytes)
     header_length = request.headers.get(HEADER_LENGTH)
@@ -375,7 +377,6 @@ async def _run_request(state: ServerState, model: ServedModel, request: Request)
     inputs = req.inputs
     if model.preprocess is not None:
         inputs = await _in_pool(state, model.preprocess, inputs)
-    batcher = state.batchers[model.name]
     validate_inputs(
         model,
         inputs,

@@ -154,6 +154,17 @@ class DynamicBatcher:
     def closing(self) -> bool:
         return self._closing
 
+    def check_admission(self) -> None:
+        """Raise now what :meth:`submit` would raise for a full queue or a closing batcher,
+        so a server can turn a request away before it spends time decoding it."""
+        if self._closing:
+            raise ShuttingDown(f"model {self.name} is shutting down; retry on another replica")
+        if len(self._queue) >= self.config.max_queue_size:
+            raise QueueFull(
+                f"model {self.name}: queue full ({self.config.max_queue_size} requests); "
+                "retry later"
+            )
+
     def batch_sizes(self) -> list[int]:
         """Every batch size (in rows) the batcher can form, for warm-up."""
         if not self.stack:
@@ -172,14 +183,8 @@ class DynamicBatcher:
 
     async def submit(self, inputs: Tensors, timeout_s: float | None = None) -> Tensors:
         """Queue one request and wait for its outputs; raises a :class:`BatcherError`."""
-        if self._closing:
-            raise ShuttingDown(f"model {self.name} is shutting down; retry on another replica")
         rows, key = self._shape_key(inputs)
-        if len(self._queue) >= self.config.max_queue_size:
-            raise QueueFull(
-                f"model {self.name}: queue full ({self.config.max_queue_size} requests); "
-                "retry later"
-            )
+        self.check_admission()
         self.start()
         loop = asyncio.get_running_loop()
         now = loop.time()
