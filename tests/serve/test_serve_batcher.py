@@ -127,6 +127,8 @@ def test_full_queue_rejects_at_once() -> None:
         with pytest.raises(QueueFull):
             await b.submit(request(1, 99.0))
         elapsed = time.perf_counter() - t0
+        with pytest.raises(QueueFull):
+            b.check_admission()  # what a server asks before decoding a request
         await b.close()
         await asyncio.gather(*tasks)
         return elapsed
