@@ -95,7 +95,9 @@ def test_a_stall_shows_in_open_loop_and_hides_in_closed_loop() -> None:
     assert open_res["latency_ms"]["p95"] > 500.0
     # closed loop: the single user waits, sends nothing meanwhile, and p99 stays at the service time
     assert closed_res["latency_ms"]["max"] > 950.0
-    assert closed_res["latency_ms"]["p99"] < 50.0
+    assert (
+        closed_res["latency_ms"]["p99"] < 200.0
+    )  # 5 ms service; 200 leaves room for a busy machine
     assert closed_res["offered_rate"] is None and closed_res["mode"] == "closed"
 
 
