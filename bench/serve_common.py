@@ -32,6 +32,15 @@ BENCH = Path(__file__).resolve().parent
 OUT = BENCH / "out" / "serve"
 RESULTS = BENCH / "RESULTS-serve.md"
 SEQ = 64
+PREFACE = """# Serving benchmarks
+
+Measured on the shared 2-core development machine while other engineers ran builds, training
+and tests (load average 8-13 during these runs, recorded where it matters): absolute latencies
+and throughputs are several times worse than on quiet cores. Every comparison is made side by
+side in one run (interleaved where possible) and reported as differences, ratios and medians.
+Each section names the command that reproduces it; raw numbers are in `bench/out/serve/*.json`.
+
+"""
 
 
 # -- models --------------------------------------------------------------------------------
@@ -177,7 +186,7 @@ def in_process_throughput(sess: Any, rows: dict[str, np.ndarray], batch: int,
 def write_section(key: str, markdown: str) -> None:
     """Replace (or append) the ``key`` section of bench/RESULTS-serve.md, atomically."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    text = RESULTS.read_text() if RESULTS.is_file() else "# Serving benchmarks\n\n"
+    text = RESULTS.read_text() if RESULTS.is_file() else PREFACE
     block = f"{start}\n{markdown.strip()}\n{end}"
     if start in text:
         head, rest = text.split(start, 1)
