@@ -318,6 +318,15 @@ def test_pre_and_post_processing_wrap_the_model() -> None:
     assert r.json()["outputs"][0]["data"] == [103.0, 103.0]  # (1 * 2 + 1) + 100
 
 
+def test_pre_processing_errors_on_user_data_are_400() -> None:
+    def picky(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise ValueError("expected positive pixels")
+
+    with run_in_thread([fake_model(preprocess=picky)], ServeSettings(port=0)) as url:
+        r = httpx.post(url + "/v2/models/fake/infer", json=fake_body())
+    assert r.status_code == 400 and "expected positive pixels" in r.json()["error"]
+
+
 def test_a_model_failing_warm_up_stops_the_server_with_the_reason() -> None:
     def broken(_: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise RuntimeError("no kernel for this op")

@@ -376,7 +376,13 @@ async def _run_request(state: ServerState, model: ServedModel, request: Request)
     check_requested_outputs(model, req)
     inputs = req.inputs
     if model.preprocess is not None:
-        inputs = await _in_pool(state, model.preprocess, inputs)
+        try:
+            inputs = await _in_pool(state, model.preprocess, inputs)
+        except (ValueError, TypeError, KeyError) as err:  # the user's data, not the server
+            raise ProtocolError(
+                f"model {model.name!r}: pre-processing rejected the request ({err!r}); check "
+                "the inputs"
+            ) from None
     validate_inputs(
         model,
         inputs,
