@@ -59,7 +59,9 @@ def sweep_variant(path: Path, payloads: list[Any], args: argparse.Namespace) -> 
             slo_p99_ms=args.slo_p99_ms, start_rate=args.start_rate, factor=1.4, refine=2
         )
         return run_sweep(
-            cfg, http_step_runner(base, payloads=payloads), {"url": url, "model": path.stem}
+            cfg,
+            http_step_runner(base, payloads=payloads, min_requests=args.min_requests),
+            {"url": url, "model": path.stem},
         )
 
 
@@ -73,6 +75,9 @@ def main() -> None:
     ap.add_argument("--step-duration", type=float, default=3.0)
     ap.add_argument("--max-lag-ms", type=float, default=10.0)
     ap.add_argument("--tune-max-configs", type=int, default=8)
+    ap.add_argument(
+        "--min-requests", type=int, default=200, help="requests per sweep step, at least"
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     manifest = json.loads((args.run_dir / "manifest.json").read_text())
@@ -113,6 +118,7 @@ def main() -> None:
         start_rate=args.start_rate,
         step_duration_s=args.step_duration,
         max_configs=args.tune_max_configs,
+        min_requests=args.min_requests,
         max_lag_ms=args.max_lag_ms,
     )
     tune = tune_serving(args.run_dir, tune_cfg, start_server=niced_server)
