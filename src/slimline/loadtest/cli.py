@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -197,9 +198,15 @@ def _finish(result: dict[str, Any], out: Path | None) -> int:
     return 0
 
 
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO; the checks before a run are not news."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def _loadtest_cmd(args: argparse.Namespace) -> int:
     from .run import run_loadtest
 
+    _quiet_http_logs()
     if args.sweep:
         return _sweep_cmd(args)
     cfg = build_config(args)
@@ -242,7 +249,7 @@ def _sweep_config(args: argparse.Namespace) -> Any:
 
 def _sweep_cmd(args: argparse.Namespace) -> int:
     from .report import write_standalone
-    from .run import preflight
+    from .run import check_request, check_server, sample_payloads
     from .sweep import http_step_runner, run_sweep
 
     if args.concurrency is not None or args.replay is not None:
@@ -251,12 +258,9 @@ def _sweep_cmd(args: argparse.Namespace) -> int:
     args.rate = sweep_cfg.rates[0] if sweep_cfg.rates else sweep_cfg.start_rate
     base = build_config(args)
     with ctrl_c_stops() as stop:
-        from .payload import build_payloads, load_samples
-
-        payloads = build_payloads(
-            load_samples(base.inputs or base.model), base.encoding, base.batch_size
-        )
-        preflight(base.url, base.model, payloads[0], base.token)
+        meta = check_server(base.url, base.model, base.token)
+        payloads = sample_payloads(base)
+        check_request(base.url, base.model, payloads[0], meta, base.token)
         runner = http_step_runner(
             base,
             scrape=not args.no_scrape,
@@ -359,6 +363,7 @@ def _numbers(text: str, kind: type, flag: str) -> list[Any]:
 def _tune_cmd(args: argparse.Namespace) -> int:
     from .tune import TuneConfig, tune_serving
 
+    _quiet_http_logs()
     try:
         cfg = TuneConfig(
             slo_p99_ms=args.slo_p99_ms,

@@ -20,7 +20,15 @@ from .payload import Encoding, Payload, build_payloads, load_samples
 from .result import summarize
 from .schedule import Arrival, Trace, arrival_schedule, load_trace, replay_schedule
 
-__all__ = ["PROCESS_RATE", "LoadTestConfig", "preflight", "run_loadtest"]
+__all__ = [
+    "PROCESS_RATE",
+    "LoadTestConfig",
+    "check_request",
+    "check_server",
+    "preflight",
+    "run_loadtest",
+    "sample_payloads",
+]
 
 # Highest open-loop rate one generator process keeps on this class of machine with a lag p99
 # under 1 ms (bench/loadtest_accuracy.py); above it the schedule is spread over processes.
@@ -64,11 +72,9 @@ class LoadTestConfig(Config):
         return "closed" if self.concurrency is not None else "open"
 
 
-def preflight(url: str, model: str, payload: Payload, token: str | None = None) -> dict[str, Any]:
-    """Check the server is reachable, serves ``model`` and answers one real request."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    base = url.rstrip("/")
-    with httpx.Client(base_url=base, headers=headers, timeout=10.0) as http:
+def check_server(url: str, model: str, token: str | None = None) -> dict[str, Any]:
+    """The model's metadata, once the server is reachable and says it serves ``model``."""
+    with _http(url, token) as http:
         try:
             live = http.get("/v2/health/live")
         except httpx.HTTPError as err:
@@ -86,16 +92,50 @@ def preflight(url: str, model: str, payload: Payload, token: str | None = None) 
                 f"the server at {url} has no model {model!r} (HTTP {meta.status_code}: "
                 f"{_message(meta)}); pass --model with a name it serves{_known_models(http)}"
             )
-        _check_inputs(meta.json(), payload, model)
+        return dict(meta.json())
+
+
+def check_request(
+    url: str, model: str, payload: Payload, meta: dict[str, Any], token: str | None = None
+) -> None:
+    """The samples match the model's inputs, and one real request is answered 200."""
+    _check_inputs(meta, payload, model)
+    with _http(url, token) as http:
         answer = http.post(
             f"/v2/models/{model}/infer", content=payload.body, headers=payload.headers
         )
-        if answer.status_code != 200:
+    if answer.status_code != 200:
+        raise LoadTestError(
+            f"a test request to model {model!r} failed with HTTP {answer.status_code}: "
+            f"{_message(answer)}; check --inputs and --encoding"
+        )
+
+
+def preflight(url: str, model: str, payload: Payload, token: str | None = None) -> dict[str, Any]:
+    """Check the server is reachable, serves ``model`` and answers one real request."""
+    meta = check_server(url, model, token)
+    check_request(url, model, payload, meta, token)
+    return meta
+
+
+def _http(url: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0)
+
+
+def sample_payloads(cfg: LoadTestConfig) -> list[Payload]:
+    """Encoded requests from ``--inputs`` (default: the model name as an example name)."""
+    if cfg.inputs is None:
+        try:
+            samples = load_samples(cfg.model)
+        except LoadTestError:
             raise LoadTestError(
-                f"a test request to model {model!r} failed with HTTP {answer.status_code}: "
-                f"{_message(answer)}; check --inputs and --encoding"
-            )
-        return dict(meta.json())
+                f"no --inputs given and {cfg.model!r} is not an example name; pass --inputs with "
+                "an .npz, a task .py file, an example (mnist, minilm) or a run directory"
+            ) from None
+    else:
+        samples = load_samples(cfg.inputs)
+    return build_payloads(samples, cfg.encoding, cfg.batch_size)
 
 
 def _message(resp: httpx.Response) -> str:
@@ -203,13 +243,13 @@ def run_loadtest(
     With the default HTTP client the server is checked first (reachable, serves the model,
     answers one request); every input problem raises :class:`LoadTestError` before the run.
     """
+    meta = check_server(cfg.url, cfg.model, cfg.token) if client_factory is None else None
     if payloads is None:
-        payloads = build_payloads(
-            load_samples(cfg.inputs or cfg.model), cfg.encoding, cfg.batch_size
-        )
+        payloads = sample_payloads(cfg)
     plan, duration, payloads = plan_for(cfg, payloads)
     if client_factory is None:
-        preflight(cfg.url, cfg.model, payloads[0], cfg.token)
+        assert meta is not None
+        check_request(cfg.url, cfg.model, payloads[0], meta, cfg.token)
         client_factory = functools.partial(HttpClient, cfg.url, cfg.model, cfg.timeout_s, cfg.token)
     processes = _processes(cfg, plan, duration)
     rate = cfg.rate or (

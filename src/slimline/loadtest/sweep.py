@@ -28,9 +28,9 @@ from pydantic import Field, model_validator
 
 from ..errors import LoadTestError
 from ..recipe import Config
-from .payload import Payload, build_payloads, load_samples
+from .payload import Payload
 from .result import SCHEMA
-from .run import LoadTestConfig, run_loadtest
+from .run import LoadTestConfig, run_loadtest, sample_payloads
 from .scrape import MetricsWatcher
 
 __all__ = ["SweepConfig", "find_knee", "judge_step", "run_sweep"]
@@ -115,9 +115,7 @@ def http_step_runner(
     """
     headers = {"Authorization": f"Bearer {base.token}"} if base.token else None
     if payloads is None:
-        payloads = build_payloads(
-            load_samples(base.inputs or base.model), base.encoding, base.batch_size
-        )
+        payloads = sample_payloads(base)
 
     def step(rate: float) -> dict[str, Any]:
         duration = min(max(base.duration_s or 10.0, min_requests / rate), max_step_s)
