@@ -152,9 +152,6 @@ def main() -> None:
         if r["lag_p99_ms"] < 10.0 and abs(r["p50_err_ms"]) <= 1.0
         and abs(r["achieved_over_offered"] - 1) <= 0.02
     ]  # fmt: skip
-        for r in rows
-        if r["lag_p99_ms"] < 1.0 and abs(r["achieved_over_offered"] - 1) <= 0.02
-    ]
     doc = {
         "delay_ms": args.delay_ms,
         "duration_s": args.duration,
