@@ -105,7 +105,9 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         False,
         {},
     )
-    assert [
-        s.mode
-        for s, _ in candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True))
-    ] == ["static", "static"]
+    cnn_tries = candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True))
+    assert [(s.label, p.tag) for s, p in cnn_tries] == [
+        ("static QDQ U8S8 per-channel minmax", ""),
+        ("static QDQ U8S8 per-channel percentile 99.99", ""),
+        ("static QDQ U8S8 per-channel minmax", "-edges-int8"),
+    ]

@@ -30,7 +30,8 @@ def auto_run(
     task = cnn_task(cnn_onnx)
     work = tmp_path_factory.mktemp("auto") / "work"
     ctx = make_ctx(task, cnn_onnx, work, {"max_metric_drop": 0.05, "min_cosine": 0.98})
-    return quantize_step(QuantizeConfig(samples=64), _input(cnn_onnx), ctx), ctx, work
+    cfg = QuantizeConfig(samples=64, keep_first_last_float=True)  # explicit: no edges-int8 variant
+    return quantize_step(cfg, _input(cnn_onnx), ctx), ctx, work
 
 
 def test_auto_mode_records_every_candidate_and_what_it_applied(

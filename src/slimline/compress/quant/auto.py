@@ -31,15 +31,16 @@ def candidates(
     cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
 ) -> list[tuple[QuantSpec, PrecisionPlan]]:
     """The specs of :func:`candidate_specs` with the resolved plan. When the first/last rule was
-    not set explicitly, dynamic candidates are also tried with those layers in INT8: on a
-    transformer encoder they are an attention block and an FFN projection, not a stem and a
-    classifier, and keeping them float costs a tenth of the INT8 speed-up."""
+    not set explicitly, the candidate that matters most for speed is also tried with those layers
+    in INT8 (the budget decides): the dynamic one on MatMul-heavy graphs (on an encoder the
+    "first and last layers" are an attention block and an FFN projection, a tenth of the
+    work), the static MinMax one otherwise (a CNN's stem convolution is its largest layer)."""
     out = [(spec, plan) for spec in candidate_specs(cfg, prepared)]
     edges = [n for n, r in plan.rule.items() if r == EDGES_FLOAT]
     if edges and "keep_first_last_float" not in cfg.model_fields_set:
-        out += [
-            (spec, plan.with_int8(edges, EDGES_INT8)) for spec, _ in out if spec.mode == "dynamic"
-        ]
+        fast = "dynamic" if prepared.matmul_heavy else "static"
+        spec = next(sp for sp, _ in out if sp.mode == fast)
+        out.append((spec, plan.with_int8(edges, EDGES_INT8)))
     return out
 
 

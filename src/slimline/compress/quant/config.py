@@ -48,7 +48,7 @@ class QuantizeConfig(StepConfig):
     )
     layerwise_samples: int = Field(16, ge=1, le=1024)
     representativeness_samples: int = Field(64, ge=0, le=10_000)
-    calibration_chunk_mb: int = Field(256, ge=16, le=16_384)
+    calibration_chunk_mb: int = Field(128, ge=16, le=16_384)
 
     @field_validator("precision")
     @classmethod
