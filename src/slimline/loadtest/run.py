@@ -82,11 +82,13 @@ def check_server(url: str, model: str, token: str | None = None) -> dict[str, An
                 f"cannot reach {url} ({type(err).__name__}: {err}); start the server "
                 "(`slimline serve ...`) or fix the URL"
             ) from None
+        _check_auth(live, url)
         if live.status_code != 200:
             raise LoadTestError(
                 f"{url}/v2/health/live answered {live.status_code}; is it a KServe v2 server?"
             )
         meta = http.get(f"/v2/models/{model}")
+        _check_auth(meta, url)
         if meta.status_code != 200:
             raise LoadTestError(
                 f"the server at {url} has no model {model!r} (HTTP {meta.status_code}: "
@@ -116,6 +118,14 @@ def preflight(url: str, model: str, payload: Payload, token: str | None = None) 
     meta = check_server(url, model, token)
     check_request(url, model, payload, meta, token)
     return meta
+
+
+def _check_auth(resp: httpx.Response, url: str) -> None:
+    if resp.status_code in (401, 403):
+        raise LoadTestError(
+            f"the server at {url} refused the request (HTTP {resp.status_code}: {_message(resp)}); "
+            "put its API token in $SLIMLINE_API_TOKEN (or the variable named by --token-env)"
+        )
 
 
 def _http(url: str, token: str | None) -> httpx.Client:
