@@ -195,3 +195,38 @@ def test_fake_client_serial_queues_in_order() -> None:
         return time.monotonic() - t
 
     assert asyncio.run(go()) >= 0.05
+
+
+def test_auto_processes_doubles_when_one_generator_falls_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from slimline.loadtest import run as run_mod
+
+    used: list[int] = []
+
+    def fake_execute(make_client, plan, payloads, processes, stop, connections):  # type: ignore[no-untyped-def]
+        used.append(processes)
+        late = 0.030 if processes == 1 else 0.0002  # one process: every request leaves 30 ms late
+        sent = plan.offsets + late
+        return Records(plan.offsets.copy(), sent, sent + 0.005, np.zeros(len(sent), np.int8))
+
+    monkeypatch.setattr(run_mod, "execute", fake_execute)
+    monkeypatch.setattr(run_mod.os, "cpu_count", lambda: 4)
+    cfg = LoadTestConfig(
+        url="http://127.0.0.1:9",
+        model="m",
+        rate=100.0,
+        duration_s=1.0,
+        warmup_s=0.0,
+        arrival="constant",
+    )
+    res = run_loadtest(cfg, payloads=PAYLOADS, client_factory=lambda: FakeClient())
+    assert used == [1, 2]
+    assert res["valid"] and res["config"]["processes"] == 2 and res["config"]["escalated_from"] == 1
+    used.clear()
+    res = run_loadtest(
+        cfg.model_copy(update={"processes": 1}),
+        payloads=PAYLOADS,
+        client_factory=lambda: FakeClient(),
+    )
+    assert used == [1] and not res["valid"]  # an explicit --processes is kept
