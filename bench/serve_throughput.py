@@ -1,18 +1,21 @@
 """Throughput under concurrency: the server with dynamic batching against the in-process engine
 at its best batch size (goal: at least 0.9x).
 
-In-process: ``session.run`` in a loop at batch 1..64 (2 intra-op threads, spinning on and off;
-the best of all is the reference), measured before and after the server runs and averaged, so
-drift of the shared machine hits both sides. Server: a child process with the same threads,
-closed-loop load of single-row requests (binary tensors) from slimline's load generator, which
-runs on the same 2 cores and so takes CPU from the server: the ratio is a lower bound.
+The engine's best configuration is found first: ``session.run`` in a loop at batch 1..64, 2
+intra-op threads, spinning on and off. Then, per server configuration (a child process with the
+same threads), engine and server are measured in alternating rounds (A B A B A B) so drift of
+the shared machine hits both, and compared by medians. The server gets a closed-loop load of
+single-row requests (binary tensors) from slimline's load generator, which runs on the same 2
+cores and so takes CPU from the server: the ratio is a lower bound.
 
-    nice -n 10 .venv/bin/python bench/serve_throughput.py [--seconds 10]
+    nice -n 10 .venv/bin/python bench/serve_throughput.py [--seconds 8] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 from typing import Any
 
 from serve_common import (
@@ -40,14 +43,10 @@ def engine_best(path: Any, rows: dict, seconds: float) -> tuple[float, int, bool
     return best
 
 
-def engine_at(path: Any, rows: dict, batch: int, spinning: bool, seconds: float) -> float:
-    sess = ort_serving_session(path, 2, spinning=spinning)
-    return in_process_throughput(sess, rows, batch, seconds)
-
-
-def measure(name: str, seconds: float) -> dict[str, Any]:
+def measure(name: str, seconds: float, rounds: int) -> dict[str, Any]:
     path, rows, note = MODELS[name]()
-    before, batch, spinning = engine_best(path, rows, 1.5)
+    _, batch, spinning = engine_best(path, rows, 1.0)
+    sess = ort_serving_session(path, 2, spinning=spinning)
     loads = payloads(rows, "binary")
     servers = []
     for instances, threads in ((1, 2), (2, 1)):
@@ -56,32 +55,37 @@ def measure(name: str, seconds: float) -> dict[str, Any]:
                  "--max-batch-size", str(max_batch), "--max-queue-delay-ms", "2",
                  "--max-queue-size", "512", "--timeout-ms", "60000"]  # fmt: skip
         concurrency = 2 * max_batch * instances
+        engine, server, runs = [], [], []
         with run_in_subprocess([path], flags) as (url, _):
-            res = closed_loop(url, name, loads, concurrency, seconds)
+            for _ in range(rounds):  # A B A B ...: drift of the shared machine hits both
+                engine.append(in_process_throughput(sess, rows, batch, seconds / 2))
+                res = closed_loop(url, name, loads, concurrency, seconds)
+                server.append(res["ok_rps"])
+                runs.append(res)
         servers.append({"instances": instances, "threads": threads, "max_batch_size": max_batch,
-                        "concurrency": concurrency, **res})  # fmt: skip
-    after = engine_at(path, rows, batch, spinning, 3.0)
-    engine = (before + after) / 2
-    best_server = max(servers, key=lambda s: s["ok_rps"])
-    return {"model": name, "note": note, "engine_rps": engine, "engine_before": before,
-            "engine_after": after, "engine_batch": batch, "engine_spinning": spinning,
-            "servers": servers, "ratio": best_server["ok_rps"] / engine}  # fmt: skip
+                        "concurrency": concurrency, "engine_rps": engine, "server_rps": server,
+                        "ratio": statistics.median(server) / statistics.median(engine),
+                        "p50_ms": runs[-1]["p50_ms"], "p99_ms": runs[-1]["p99_ms"],
+                        "load_avg": os.getloadavg()[0]})  # fmt: skip
+    return {"model": name, "note": note, "engine_batch": batch, "engine_spinning": spinning,
+            "servers": servers}  # fmt: skip
 
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | in-process best (rows/s, batch) | server config | concurrency | server ok req/s "
-        "| server p50 / p99 | ratio server / engine |",
-        "|---|---|---|---|---|---|---|",
+        "| model | server config | concurrency | in-process engine rows/s (batch) | server ok req/s "
+        "| server p50 / p99 (last round) | ratio server / engine (medians) | load avg |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for s in r["servers"]:
+            eng = ", ".join(f"{v:.1f}" for v in s["engine_rps"])
+            srv = ", ".join(f"{v:.1f}" for v in s["server_rps"])
             lines.append(
-                f"| {r['model']} | {r['engine_rps']:.1f} (b={r['engine_batch']}, before "
-                f"{r['engine_before']:.1f} / after {r['engine_after']:.1f}) | "
-                f"{s['instances']} inst x {s['threads']} thr, max batch {s['max_batch_size']} | "
-                f"{s['concurrency']} | {s['ok_rps']:.1f} | {_ms(s['p50_ms'])} / {_ms(s['p99_ms'])}"
-                f" | **{s['ok_rps'] / r['engine_rps']:.2f}x** |"
+                f"| {r['model']} | {s['instances']} inst x {s['threads']} thr, max batch "
+                f"{s['max_batch_size']} | {s['concurrency']} | {eng} (b={r['engine_batch']}) | "
+                f"{srv} | {_ms(s['p50_ms'])} / {_ms(s['p99_ms'])} | **{s['ratio']:.2f}x** | "
+                f"{s['load_avg']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -92,18 +96,21 @@ def _ms(v: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", default="mnist,minilm")
     args = ap.parse_args()
-    results = [measure(m, args.seconds) for m in args.models.split(",")]
+    results = [measure(m, args.seconds, args.rounds) for m in args.models.split(",")]
     save_json("throughput", {"results": results})
     notes = "; ".join(f"{r['model']}: {r['note']}" for r in results)
     md = (
         "## Throughput under concurrency: dynamic batching vs the in-process engine\n\n"
-        f"Closed loop, single-row binary requests, {args.seconds:g} s after 1 s warm-up; the "
-        "engine reference is the best rows/s of `session.run` over batch sizes "
-        f"{list(BATCHES)} and spinning on/off, 2 threads, averaged before/after. The load "
-        f"generator shares the 2 cores with the server. Models: {notes}.\n\n"
+        f"Closed loop, single-row binary requests. Per server configuration, {args.rounds} "
+        f"rounds of A B: A = `session.run` in this process for {args.seconds / 2:g} s at the "
+        f"engine's best batch size (best rows/s over {list(BATCHES)} and spinning on/off, 2 "
+        f"threads), B = the server under load for {args.seconds:g} s after 1 s warm-up; the "
+        "ratio is of the medians. The load generator shares the 2 cores with the server. "
+        f"Models: {notes}.\n\n"
         f"{table(results)}\n\n"
         "Reproduce: `nice -n 10 .venv/bin/python bench/serve_throughput.py`"
     )
