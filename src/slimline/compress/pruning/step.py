@@ -445,17 +445,7 @@ def _input_module(cand: Candidate) -> Any:
     return cand.module
 
 
-@step(PruneConfig, restore=restore_pruned)
-def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
-    import torch
-
-    module = _input_module(cand)
-    torch.set_num_threads(ctx.threads)
-    base_history = list(getattr(module, HISTORY_ATTR, []))
-    teacher = copy.deepcopy(module).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    example = to_tensors(ctx.task.sample_inputs(cfg.example_batch))
+def _graph(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> PruneGraph:
     graph = PruneGraph(
         copy.deepcopy(module).eval(),
         example,
@@ -465,9 +455,32 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
     )
     if not graph.groups:
         raise StepError(
-            f"no prunable channel groups in {type(module).__name__} (skipped: {graph.skipped or 'none'}); "
-            "check `exclude` and `keep_first_last`, or lower `round_to`"
+            f"no prunable channel groups in {type(module).__name__} (skipped: "
+            f"{graph.skipped or 'none'}); check `exclude` and `keep_first_last`, or lower `round_to`"
         )
+    return graph
+
+
+def _frozen(module: Any) -> Any:
+    teacher = copy.deepcopy(module).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def _share(before: int, after: int) -> dict[str, Any]:
+    return {"before": before, "after": after, "removed": 1 - after / before}
+
+
+@step(PruneConfig, restore=restore_pruned)
+def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
+    import torch
+
+    module = _input_module(cand)
+    torch.set_num_threads(ctx.threads)
+    base_history = list(getattr(module, HISTORY_ATTR, []))
+    teacher = _frozen(module)
+    graph = _graph(cfg, module, to_tensors(ctx.task.sample_inputs(cfg.example_batch)))
     cost = CostModel(graph)
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
@@ -492,7 +505,7 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
     setattr(pruned, HISTORY_ATTR, history)
     files = _save_module(ctx.workdir, pruned, history)
     onnx_path, check = _export(ctx, pruned)
-    macs_after, params_after = count_macs_params(pruned, example)
+    macs_after, params_after = count_macs_params(pruned, graph.example)
     meta = {
         "plan": {n: r for n, r in plan.ratios.items() if r > 0},
         "planned": plan.to_dict(),
@@ -503,16 +516,8 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
         "resumed_after_round": resumed,
         "importance": sorted({r["importance"] for r in records if "importance" in r}),
         "finetune_data": source,
-        "macs": {
-            "before": cost.total_macs,
-            "after": macs_after,
-            "removed": 1 - macs_after / cost.total_macs,
-        },
-        "params": {
-            "before": cost.total_params,
-            "after": params_after,
-            "removed": 1 - params_after / cost.total_params,
-        },
+        "macs": _share(cost.total_macs, macs_after),
+        "params": _share(cost.total_params, params_after),
         "export_check": check,
         "torch": _torch_view(ctx, teacher, pruned),
         **files,
