@@ -85,7 +85,7 @@ def _heatmap(meta: dict[str, Any]) -> str | None:
     plan = meta.get("plan") or {}
     for i, n in enumerate(names):
         for j, r in enumerate(ratios):
-            ax.text(j, i, f"{drop[i, j]:.1f}", ha="center", va="center", fontsize=6)
+            ax.text(j, i, f"{round(drop[i, j], 1) + 0.0:.1f}", ha="center", va="center", fontsize=6)
             if abs(plan.get(n, -1.0) - r) < 1e-9:
                 ax.add_patch(_box(j, i))
     fig.colorbar(im, ax=ax, label="metric drop (points)")
