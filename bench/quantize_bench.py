@@ -270,6 +270,14 @@ def _f(x: Any, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _cpu() -> str:
+    from slimline.record import hardware
+
+    hw = hardware()
+    vnni = "avx512_vnni" in hw.get("flags", []) or "avx_vnni" in hw.get("flags", [])
+    return f"{hw.get('cpu') or platform.machine()} ({'VNNI' if vnni else 'no VNNI'})"
+
+
 def markdown(
     results: list[dict[str, Any]], command: str, load: tuple[list[float], list[float]], wall: float
 ) -> str:
@@ -280,7 +288,7 @@ def markdown(
         "",
         f"Reproduce: `{command}`",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Machine: {_cpu()}, {os.cpu_count()} cores, "
         f"{THREADS} threads per session, ONNX Runtime {onnxruntime.__version__}. "
         f"Load average (1/5/15 min) before: {', '.join(f'{x:.1f}' for x in load[0])}; after: "
         f"{', '.join(f'{x:.1f}' for x in load[1])}. Bench wall time {wall / 60:.1f} min. The machine "

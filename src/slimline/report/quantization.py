@@ -191,11 +191,11 @@ def distributions(m: dict[str, Any], run_dir: Path) -> str | None:
                 [
                     [
                         _e(k),
-                        s["min"],
-                        s["max"],
+                        s.get("min"),
+                        s.get("max"),
                         s.get("p99"),
-                        s["absmax_over_std"],
-                        s["outlier_share"],
+                        s.get("absmax_over_std"),
+                        s.get("outlier_share"),
                     ]
                     for k, s in stats.items()
                 ],
