@@ -149,3 +149,14 @@ def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
         f"slimline serve {run} --max-batch-size 8 --max-queue-delay-ms 2 --instances 1 --threads "
         f"{entry['serve']['threads'] or ServeSetting().args()[-1]}"
     )
+
+
+def test_search_stops_when_nothing_meets_the_slo(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, {"a": True, "b": True}, "a")
+    started: list[tuple[str, list[str]]] = []
+    cfg = TuneConfig(slo_p99_ms=5, max_batch_sizes=[4], queue_delays_ms=[2.0], instances=[1],
+                     start_rate=40, refine=0, step_duration_s=0.5, step_warmup_s=0.1,
+                     max_steps=2, max_lag_ms=1000, min_requests=10)  # fmt: skip
+    doc = tune_serving(run, cfg, start_server=_stub_starter({"a": 20.0, "b": 20.0}, started))
+    assert doc["best"] is None and "no configuration met p99 <= 5 ms" in doc["note"]
+    assert [s for s, _ in started] == ["a", "b"]  # one failed step each, nothing finer

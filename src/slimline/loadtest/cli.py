@@ -392,7 +392,7 @@ def _tune_cmd(args: argparse.Namespace) -> int:
         print(f"  {r['variant']:<16} {json.dumps(r['serve'])}  knee {knee} rps  {r['note']}")
     best = doc["best"]
     if best is None:
-        print(f"no configuration met p99 <= {cfg.slo_p99_ms:g} ms")
+        print(doc["note"])
     else:
         gain = doc.get("gain_vs_default")
         print(

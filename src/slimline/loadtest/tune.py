@@ -206,9 +206,14 @@ class _Search:
         return run_sweep(sweep_cfg, runner, {"url": url, "model": model}, stop=self.stop)
 
     def alive(self, variants: list[str]) -> list[str]:
+        """Variants still in the race: a knee within ``dominated_ratio`` of the best one.
+
+        None when no configuration met the SLO at all: finer settings cannot rescue a search
+        whose every variant failed its first step (lower ``start_rate`` instead).
+        """
         best = self.best()
         if best is None:
-            return variants
+            return []
         floor = self.cfg.dominated_ratio * best["knee_rate"]
         return [v for v in variants if (b := self.best(v)) is not None and b["knee_rate"] >= floor]
 
@@ -273,7 +278,12 @@ def _result(
         "default": None if base is None else _brief(base),
         "best": None if best is None else _brief(best),
     }
-    if best is not None:
+    if best is None:
+        doc["note"] = (
+            f"no configuration met p99 <= {cfg.slo_p99_ms:g} ms at {cfg.start_rate:g} requests/s; "
+            "lower --start-rate, loosen the SLO, or use a faster machine"
+        )
+    else:
         doc["serve_command"] = serve_command(run_dir, best, selected)
         if base is not None and base["knee_rate"]:
             doc["gain_vs_default"] = best["knee_rate"] / base["knee_rate"]
