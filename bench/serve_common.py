@@ -35,7 +35,7 @@ SEQ = 64
 PREFACE = """# Serving benchmarks
 
 Measured on the shared 2-core development machine while other engineers ran builds, training
-and tests (load average 8-13 during these runs, recorded where it matters): absolute latencies
+and tests (load average 7-17 during these runs, recorded where it matters): absolute latencies
 and throughputs are several times worse than on quiet cores. Every comparison is made side by
 side in one run (interleaved where possible) and reported as differences, ratios and medians.
 Each section names the command that reproduces it; raw numbers are in `bench/out/serve/*.json`.
