@@ -174,7 +174,9 @@ class _Search:
             "knee_rate": knee["achieved_rate"] if knee else None,
             "p99_at_knee_ms": knee["latency_ms"]["p99"] if knee else None,
             "sweep_start_rate": start,
-            "note": "" if knee else f"failed its first step at {start:.0f} rps: dominated",
+            "note": ""
+            if knee
+            else f"failed its first step at {start:.3g} rps" + (": dominated" if best else ""),
             "sweep": sweep,
         }
         self.results.append(entry)
