@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from slimline import record
 from slimline.compress.pruning import step as prune_mod
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
@@ -22,6 +23,11 @@ PRUNE = {
     "sensitivity_samples": 200,
     "finetune": {"steps": 30, "eval_every": 15, "val_batches": 2, "progress": False},
 }
+
+
+# step cache keys include a hash of slimline's source; pin it so that edits made by others while
+# the test runs (a shared working tree) do not invalidate the entries this test reuses
+FROZEN_CODE = "sha256:frozen-for-this-test"
 
 
 def _recipe(steps: list[Any]) -> dict[str, Any]:
@@ -50,6 +56,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str,
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prune_mod, "cache_dir", lambda *p: base / "rounds")
+        mp.setattr(record, "code_hash", lambda: FROZEN_CODE)
         run_recipe(recipe, base / "run", cache=base / "cache")
     return base, base / "run", json.loads((base / "run" / "manifest.json").read_text())
 
@@ -88,6 +95,7 @@ def test_a_repeated_run_restores_the_pruned_model_from_cache(
         raise AssertionError("the prune step ran again instead of using its cache entry")
 
     monkeypatch.setattr(prune_mod, "PruneGraph", must_not_run)
+    monkeypatch.setattr(record, "code_hash", lambda: FROZEN_CODE)
     recipe = recipe_from_dict(
         _recipe(["export", {"prune": PRUNE}, {"quantize": {"mode": "static", "samples": 128}}])
     )
