@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/RESULTS-prune.md"))
     parser.add_argument("--runs", type=Path, default=Path("runs"), help="where run directories go")
     args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )  # step times
     cmd = "nice -n 10 .venv/bin/python bench/prune_bench.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
