@@ -332,7 +332,11 @@ def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     ratio = c["p50"] / p["p50"]
     separated = c["band"][1] < p["band"][0]
-    figures = f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name})"
+    pc, cc = lat[parent.name]["cpu_ms"]["p50"], lat[cand.name]["cpu_ms"]["p50"]
+    figures = (
+        f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name}; "
+        f"CPU time {cc / pc:.2f}x)"
+    )
     if ratio > 1.0 - b.min_gain or not separated:
         why = "slower than" if ratio > 1.0 else "not measurably faster than"
         return False, f"{why} {parent.name}: {figures}; {budget_reason}"

@@ -42,13 +42,30 @@ def summarize_latency(rounds: list[np.ndarray]) -> dict[str, Any]:
     return out
 
 
-def _time_runs(runner: Runner, sample: Inputs, n: int) -> np.ndarray:
-    out = np.empty(n)
+def _time_runs(runner: Runner, sample: Inputs, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Wall time and process CPU time of each run, in ms.
+
+    CPU time (all threads of this process) is the figure that other load on the machine does
+    not inflate: on an oversubscribed machine a long run is preempted more often than a short
+    one, so wall-time ratios exaggerate speed-ups; CPU-time ratios don't (for a multi-threaded
+    session they include the worker threads' spin-waits, so they are an upper bound).
+    """
+    wall, cpu = np.empty(n), np.empty(n)
     for i in range(n):
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.process_time_ns(), time.perf_counter_ns()
         runner.run(sample)
-        out[i] = (time.perf_counter_ns() - t0) / 1e6
-    return out
+        wall[i] = (time.perf_counter_ns() - t0) / 1e6
+        cpu[i] = (time.process_time_ns() - c0) / 1e6
+    return wall, cpu
+
+
+def _summarize_cpu(rounds: list[np.ndarray]) -> dict[str, Any]:
+    p50 = [float(np.median(r)) for r in rounds]
+    return {
+        "p50": float(np.median(p50)),
+        "band": [min(p50), max(p50)],
+        "mean": float(np.median([r.mean() for r in rounds])),
+    }
 
 
 def _throughput(runner: Runner, batch: Inputs, size: int, min_seconds: float) -> float:
@@ -79,20 +96,24 @@ def benchmark(
         for _ in range(bench.warmup):
             r.run(one)
     lat: list[list[np.ndarray]] = [[] for _ in runners]
+    cpu: list[list[np.ndarray]] = [[] for _ in runners]
     tput: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in runners]
     steps = bench.rounds * len(runners)
     with tqdm(total=steps, desc=desc, unit="run-set", leave=False, disable=None) as bar:
         for rnd in range(bench.rounds):
             for j in range(len(runners)):
                 i = (j + rnd) % len(runners)
-                lat[i].append(_time_runs(runners[i], one, bench.runs_per_round))
+                wall, used = _time_runs(runners[i], one, bench.runs_per_round)
+                lat[i].append(wall)
+                cpu[i].append(used)
                 for b, x in batches.items():
                     tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
                 bar.update(1)
     results: dict[str, dict[str, Any]] = {}
-    for c, rounds, tp in zip(cands, lat, tput, strict=True):
+    for c, rounds, used, tp in zip(cands, lat, cpu, tput, strict=True):
         entry: dict[str, Any] = {
             "latency_ms": summarize_latency(rounds),
+            "cpu_ms": _summarize_cpu(used),
             "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist(),
         }
         if tp:
