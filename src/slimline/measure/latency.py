@@ -110,10 +110,10 @@ def benchmark(
                     tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
                 bar.update(1)
     results: dict[str, dict[str, Any]] = {}
-    for c, rounds, used, tp in zip(cands, lat, cpu, tput, strict=True):
+    for c, rounds, cpu_rounds, tp in zip(cands, lat, cpu, tput, strict=True):
         entry: dict[str, Any] = {
             "latency_ms": summarize_latency(rounds),
-            "cpu_ms": _summarize_cpu(used),
+            "cpu_ms": _summarize_cpu(cpu_rounds),
             "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist(),
         }
         if tp:
