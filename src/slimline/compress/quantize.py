@@ -184,12 +184,14 @@ def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
 def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
     return {
         "name": t.name,
-        "label": t.spec.label,
+        "label": t.label,
         "float_nodes": len(t.plan.float_nodes),
         "kernels": t.kernels["summary"],
         "latency_p50_ms": t.latency["p50"] if t.latency else None,
         "fp32_p50_ms": t.fp32["p50"] if t.fp32 else None,
         "ratio_vs_fp32": round(s.ratio(t), 4) if t.latency and t.fp32 else None,
+        "faster_than_fp32": s.faster(t),
+        "bands_separated": s.separated(t),
         "budget_ok": t.budget_ok,
         "fidelity": t.quality.fidelity_dict() if t.quality else None,
         "metric": t.quality.metric if t.quality else None,
@@ -212,7 +214,7 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
         reason=reason,
         meta={
             "config": t.spec.to_dict(),
-            "label": t.spec.label,
+            "label": t.label,
             "kernels": t.kernels,
             "precision_map": t.plan.to_dict(),
             "fallback_report": t.kernels["summary"],

@@ -162,3 +162,22 @@ def test_distribution_analysis_recommends_percentile_for_heavy_outliers(
     assert rec["method"] == "percentile" and "heavy-tailed" in rec["reason"], rec
     assert rec["heavy_tensors"] > summary["recommendation"]["heavy_tensors"]
     assert spiky.stats["x"]["outlier_share"] > 1e-4 > clean.stats["x"]["outlier_share"]
+
+
+def test_percentile_ranges_clip_inside_minmax(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    calib = calibrate(
+        prepared.path,
+        list(batches(_spiky, 2, 16)),
+        tmp_path / "r",
+        samples=32,
+        methods={"minmax", "percentile"},
+        percentile=99.0,  # the spikes are 0.1% of the values: a 99% range leaves them out
+    )
+    ranges = {m: load_tensors_data(p) for m, p in calib.caches.items()}
+    x = {m: [float(v) for v in ranges[m]["x"].range_value] for m in ranges}
+    assert x["minmax"] == pytest.approx(list(calib.ranges["x"]), rel=1e-5)
+    lo, hi = x["percentile"]
+    assert x["minmax"][0] <= lo < hi <= x["minmax"][1]
+    assert hi - lo < 0.5 * (x["minmax"][1] - x["minmax"][0])  # the 40x spikes are clipped
