@@ -16,7 +16,11 @@ from .errors import SlimlineError
 
 __all__ = ["main"]
 
-COMMAND_MODULES: tuple[str, ...] = ("slimline.commands", "slimline.loadtest.cli", "slimline.serve.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "slimline.commands",
+    "slimline.loadtest.cli",
+    "slimline.serve.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
