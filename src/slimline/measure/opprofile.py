@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ModelFileError
 from ..task import Inputs
+from .runners import ort_session
 
 __all__ = ["aggregate", "kernel_events", "profile_ops"]
 
@@ -69,26 +69,7 @@ _LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}
 
 
 def _session(path: Path, threads: int, prefix: Path, level: str) -> Any:
-    import onnxruntime as ort
-
-    if not path.is_file():
-        raise ModelFileError(f"ONNX file {path} does not exist; check the path")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel(_LEVELS[level])
-    so.enable_profiling = True
-    so.profile_file_prefix = str(prefix)
-    try:
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
-        first = str(err).strip().splitlines()[0][:200]
-        raise ModelFileError(
-            f"ONNX Runtime cannot load {path} ({first}); the file is corrupt or not an ONNX "
-            "model: re-export it"
-        ) from None
+    return ort_session(path, threads, profile=prefix, level=level)
 
 
 def kernel_events(

@@ -40,7 +40,7 @@ def ort_session(
     path: Path,
     threads: int,
     *,
-    profile: bool = False,
+    profile: Path | None = None,
     optimized_out: Path | None = None,
     level: str = "all",
 ) -> Any:
@@ -59,8 +59,9 @@ def ort_session(
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }[level]
     so.log_severity_level = 3
-    if profile:
+    if profile is not None:  # trace file prefix for ONNX Runtime's profiler
         so.enable_profiling = True
+        so.profile_file_prefix = str(profile)
     if optimized_out is not None:
         so.optimized_model_filepath = str(optimized_out)
     try:
