@@ -15,7 +15,15 @@ from ..candidate import Candidate
 from ..errors import InputMismatchError, ModelFileError
 from ..task import Inputs, check_inputs
 
-__all__ = ["OrtRunner", "Runner", "TorchRunner", "make_runner", "ort_session", "session_input_spec"]
+__all__ = [
+    "ORT_TO_NP",
+    "OrtRunner",
+    "Runner",
+    "TorchRunner",
+    "make_runner",
+    "ort_session",
+    "session_input_spec",
+]
 
 
 class Runner(Protocol):
@@ -24,13 +32,17 @@ class Runner(Protocol):
     def run(self, inputs: Inputs) -> np.ndarray: ...
 
 
-_ORT_TO_NP = {
+ORT_TO_NP = {
     "tensor(float)": "float32",
     "tensor(float16)": "float16",
     "tensor(double)": "float64",
     "tensor(int64)": "int64",
     "tensor(int32)": "int32",
+    "tensor(int16)": "int16",
     "tensor(int8)": "int8",
+    "tensor(uint64)": "uint64",
+    "tensor(uint32)": "uint32",
+    "tensor(uint16)": "uint16",
     "tensor(uint8)": "uint8",
     "tensor(bool)": "bool",
 }
@@ -77,7 +89,7 @@ def ort_session(
 def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
     return {
         i.name: (
-            _ORT_TO_NP.get(i.type, i.type),
+            ORT_TO_NP.get(i.type, i.type),
             [d if isinstance(d, int) else None for d in i.shape],
         )
         for i in sess.get_inputs()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ManifestError, ModelFileError, ServeError
+from ..measure.runners import ORT_TO_NP
 
 __all__ = [
     "FakeBackend",
@@ -34,21 +35,6 @@ __all__ = [
 
 Tensors = dict[str, np.ndarray]
 Processor = Callable[[Tensors], Tensors]
-
-_ORT_TO_NP = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float16",
-    "tensor(double)": "float64",
-    "tensor(int64)": "int64",
-    "tensor(int32)": "int32",
-    "tensor(int16)": "int16",
-    "tensor(int8)": "int8",
-    "tensor(uint64)": "uint64",
-    "tensor(uint32)": "uint32",
-    "tensor(uint16)": "uint16",
-    "tensor(uint8)": "uint8",
-    "tensor(bool)": "bool",
-}
 
 
 @dataclass(frozen=True)
@@ -128,7 +114,7 @@ def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> 
 
 
 def _spec(arg: Any) -> TensorSpec:
-    if arg.type not in _ORT_TO_NP:
+    if arg.type not in ORT_TO_NP:
         raise ModelFileError(
             f"tensor {arg.name!r} has type {arg.type}, which the server cannot carry; "
             "serve a model with numeric or bool inputs and outputs"
@@ -136,7 +122,7 @@ def _spec(arg: Any) -> TensorSpec:
     dims = list(arg.shape or [])
     shape = tuple(d if isinstance(d, int) and d >= 0 else None for d in dims)
     names = tuple(d if isinstance(d, str) and d else None for d in dims)
-    return TensorSpec(arg.name, _ORT_TO_NP[arg.type], shape, names)
+    return TensorSpec(arg.name, ORT_TO_NP[arg.type], shape, names)
 
 
 class FakeBackend:
