@@ -142,8 +142,11 @@ def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
     )
     doc = tune_serving(run, cfg)
     (entry,) = doc["configs"]
-    # 20 and 40 rps are far below the server's capacity; a busy test machine may still fail 40
-    assert entry["knee_rate"] is not None and entry["knee_rate"] > 15, entry["sweep"]["steps"]
+    # 20 and 40 rps are far below the server's capacity; a busy test machine may still fail 40.
+    # The knee is the *achieved* rate of a 1 s Poisson step: 20 offered can count as 11 answers,
+    # so the bound is loose (P(Poisson(20) <= 5) < 1e-4) while still proving answers came back.
+    assert entry["knee_rate"] is not None and entry["knee_rate"] > 5, entry["sweep"]["steps"]
+    assert entry["sweep"]["knee"]["offered_rate"] >= 20
     assert entry["sweep"]["steps"][-1]["server"]["batch_size_mean"] >= 1.0  # scraped from /metrics
     assert doc["serve_command"] == (
         f"slimline serve {run} --max-batch-size 8 --max-queue-delay-ms 2 --instances 1 --threads "
