@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from ..candidate import Candidate
 from ..context import StepContext
 from ..steps import step
@@ -79,14 +81,39 @@ def _calibrate(
             f"quantize: calibrated on {calib.samples} samples (fewer than {FEW_SAMPLES}); ranges "
             "may miss rare activations: give calibration_data() more samples"
         )
-    flagged = calib.representativeness.get("flagged", [])
-    if flagged:
-        names = ", ".join(f"{f['tensor']} ({f['exceed_share']:.0%})" for f in flagged[:5])
-        ctx.warn(
-            f"quantize: evaluation inputs often exceed the calibrated ranges of {len(flagged)} "
-            f"tensors: {names}; calibrate on data that looks like what is served"
-        )
     return calib
+
+
+def _ranges_used(chosen: Trial) -> set[str]:
+    """Tensors whose calibrated range the chosen model bakes in: the inputs of its static
+    QuantizeLinear nodes. A dynamic model computes its ranges per input and uses none."""
+    if chosen.spec.mode != "static":
+        return set()
+    model = onnx.load(str(chosen.path), load_external_data=False)
+    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Trial) -> None:
+    """Warn about evaluation inputs leaving the calibrated ranges only where it matters: on the
+    tensors whose calibrated range the chosen model uses (all are kept in the manifest)."""
+    flagged = rep.get("flagged", [])
+    if not flagged:
+        return
+    used = _ranges_used(chosen)
+    hit = [f for f in flagged if f["tensor"] in used]
+    rep["flagged_in_chosen"] = [f["tensor"] for f in hit]
+    if not hit:
+        rep["note"] = (
+            f"{len(flagged)} tensors often exceed their calibrated range on evaluation inputs, "
+            f"but the chosen {chosen.spec.mode} model does not quantize with those ranges"
+        )
+        return
+    names = ", ".join(f"{f['tensor']} ({f['exceed_share']:.0%})" for f in hit[:5])
+    ctx.warn(
+        f"quantize: evaluation inputs often exceed the calibrated ranges of {len(hit)} tensors "
+        f"the chosen model quantizes with: {names}; calibrate on data that looks like what is "
+        "served"
+    )
 
 
 @step(QuantizeConfig)
@@ -117,6 +144,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         chosen, rejected, record = search(s, tries)
     else:
         chosen, rejected, record = _single(s, plan, tries[0][0])
+    _warn_representativeness(ctx, calib.representativeness, chosen)
     with s.timed("layerwise"):
         rows = layerwise_for(s, chosen)
     meta = {

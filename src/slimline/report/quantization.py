@@ -93,11 +93,16 @@ def _facts(meta: dict[str, Any]) -> str:
         ],
     ]
     out = table(["", ""], rows)
+    used = set(rep.get("flagged_in_chosen", []))
     for f in rep.get("flagged", [])[:10]:
         out += (
-            f"<p class='warn'>evaluation inputs exceed the calibrated range of {_e(f['tensor'])} in "
-            f"{f['exceed_share']:.0%} of samples (by up to {f['max_overshoot']:.2f} range widths)</p>"
+            f"<p class='{'warn' if f['tensor'] in used else 'note'}'>evaluation inputs exceed the "
+            f"calibrated range of {_e(f['tensor'])} in {f['exceed_share']:.0%} of samples (by up "
+            f"to {f['max_overshoot']:.2f} range widths)"
+            f"{'' if f['tensor'] in used else '; the chosen model does not use this range'}</p>"
         )
+    if rep.get("note"):
+        out += f"<p>{_e(rep['note'])}</p>"
     for n in meta.get("notes", []):
         out += f"<p class='warn'>{_e(n)}</p>"
     return out

@@ -214,3 +214,23 @@ def test_a_graph_step_output_is_prepared_from_the_export(cnn_onnx: Path, tmp_pat
     out = quantize_step(QuantizeConfig(mode="static", samples=16), graph, ctx)
     assert out.meta["prepared"]["notes"][0].startswith("prepared from fp32-onnx")
     assert out.meta["kernels"]["int8_kernels"] == 3
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_out_of_range_serving_inputs_warn_only_where_the_chosen_model_uses_the_ranges(
+    cnn_onnx: Path, tmp_path: Path, mode: str
+) -> None:
+    """Evaluation inputs 4x the calibration scale leave the calibrated ranges. A static model
+    quantizes with those ranges (warn, naming its tensors); a dynamic one computes its ranges per
+    input (record it, no warning)."""
+    ctx = make_ctx(cnn_task(cnn_onnx, eval_scale=4.0), cnn_onnx, tmp_path / "w", {"min_cosine": 0})
+    out = quantize_step(QuantizeConfig(mode=mode, samples=64), _input(cnn_onnx), ctx)  # type: ignore[arg-type]
+    rep = out.meta["representativeness"]
+    assert rep["flagged"], "4x inputs must leave the calibrated ranges"
+    warned = [w for w in ctx.warnings if "exceed the calibrated ranges" in w]
+    if mode == "static":
+        assert rep["flagged_in_chosen"] and len(warned) == 1
+        assert rep["flagged_in_chosen"][0] in warned[0]
+    else:
+        assert rep["flagged_in_chosen"] == [] and warned == []
+        assert "does not quantize with those ranges" in rep["note"]
