@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -18,16 +19,18 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from ..errors import DataError
+from ..errors import DataError, RecipeError
 from ..recipe import Config
 from ..task import Task
 
 __all__ = [
+    "FeatureTap",
     "FinetuneConfig",
     "FinetuneResult",
     "accumulate_gradients",
     "distill",
     "distill_loss",
+    "feature_loss",
     "resolve_data",
     "to_tensors",
     "trim_padding",
@@ -48,6 +51,12 @@ class FinetuneConfig(Config):
         0.7, ge=0.0, le=1.0, description="weight of distillation vs task loss where labels exist"
     )
     embedding_loss: Literal["cosine", "mse"] = "cosine"
+    features: str | None = Field(
+        None,
+        description="regex (full match) of module names whose outputs the student also learns "
+        "from the teacher's (hidden-state distillation); their shapes must survive pruning",
+    )
+    feature_weight: float = Field(1.0, ge=0.0, description="weight of the hidden-state loss")
     eval_every: int = Field(50, ge=1, description="steps between held-out evaluations")
     patience: int = Field(2, ge=1, description="evaluations without gain before stopping")
     min_delta: float = Field(1e-4, ge=0.0, description="relative gain that counts as a gain")
@@ -172,6 +181,63 @@ def distill_loss(
     return kd
 
 
+class FeatureTap:
+    """Forward hooks that collect, in call order, the outputs of the modules of ``model`` whose
+    names fully match ``pattern`` (the first element where a module returns a tuple)."""
+
+    def __init__(self, model: Any, pattern: str) -> None:
+        rx = re.compile(pattern)
+        self.names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
+        if not self.names:
+            raise RecipeError(
+                f"finetune.features {pattern!r} matches no module of {type(model).__name__}; "
+                "name modules by their dotted path, e.g. 'encoder\\.layer\\.\\d+'"
+            )
+        self.outputs: list[Any] = []
+        mods = dict(model.named_modules())
+        self._handles = [mods[n].register_forward_hook(self._hook) for n in self.names]
+
+    def _hook(self, module: Any, args: Any, out: Any) -> None:
+        self.outputs.append(_first(out))
+
+    def take(self) -> list[Any]:
+        out, self.outputs = self.outputs, []
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def feature_loss(
+    student_feats: list[Any], teacher_feats: list[Any], names: list[str], mask: Any | None
+) -> Any:
+    """Mean over modules of the relative squared error ``|s - t|^2 / |t|^2`` of their outputs,
+    over unpadded positions where the output is ``[N, L, ...]`` with an ``[N, L]`` mask. Relative,
+    so every layer weighs the same whatever the scale of its activations."""
+    if len(student_feats) != len(teacher_feats):
+        raise RecipeError(
+            f"finetune.features: the student ran {len(student_feats)} matching modules, the "
+            f"teacher {len(teacher_feats)}; name modules that both models run once per forward"
+        )
+    total = None
+    for name, s, t in zip(names, student_feats, teacher_feats, strict=True):
+        if s.shape != t.shape:
+            raise RecipeError(
+                f"finetune.features: module {name} outputs {tuple(s.shape)} in the student but "
+                f"{tuple(t.shape)} in the teacher; match only modules whose outputs pruning keeps "
+                "(e.g. whole encoder layers, not their pruned projections)"
+            )
+        d2, t2 = (s.float() - t.float().detach()) ** 2, t.float().detach() ** 2
+        if mask is not None and tuple(s.shape[:2]) == tuple(mask.shape):
+            w = mask.to(d2.dtype).reshape(*mask.shape, *([1] * (s.dim() - 2)))
+            d2, t2 = d2 * w, t2 * w
+        term = d2.sum() / t2.sum().clamp(min=1e-12)
+        total = term if total is None else total + term
+    assert total is not None
+    return total / len(names)
+
+
 def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
     """Cycle through ``batches()`` forever, skipping the first ``skip`` (held out)."""
     while True:
@@ -253,51 +319,69 @@ def distill(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
     )
-    best, best_state, bad = before, copy.deepcopy(student.state_dict()), 0
+    best, best_state = before, copy.deepcopy(student.state_dict())
     task_loss = task.loss if task is not None else None
-    student.train()
-    bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, leave=False)
-    stream = _batch_stream(batches, skip)
-    running = 0.0
-    for step_i, (inputs, labels) in enumerate(stream, start=1):
-        x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
-        with torch.no_grad():
-            t_out = _first(teacher(**x))
-        loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        sched.step()
-        value = float(loss.detach())
-        running = value if step_i == 1 else 0.9 * running + 0.1 * value
-        bar.update(1)
-        bar.set_postfix(loss=f"{running:.4f}", best=f"{best:.4f}")
-        if on_step is not None:
-            on_step(step_i, value)
-        result.steps = step_i
-        if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
-            v = _val_loss(student, teacher, val, output_kind, cfg)
-            result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
-            if v < best * (1.0 - cfg.min_delta):
-                best, best_state, bad, result.best_step = (
-                    v,
-                    copy.deepcopy(student.state_dict()),
-                    0,
-                    step_i,
+    taps = (
+        (FeatureTap(student, cfg.features), FeatureTap(teacher, cfg.features))
+        if cfg.features and cfg.feature_weight > 0
+        else None
+    )
+    try:
+        bad = 0
+        student.train()
+        bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, leave=False)
+        stream = _batch_stream(batches, skip)
+        running = 0.0
+        for step_i, (inputs, labels) in enumerate(stream, start=1):
+            x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
+            if taps is not None:  # drop what held-out evaluations collected
+                taps[0].take(), taps[1].take()
+            with torch.no_grad():
+                t_out = _first(teacher(**x))
+            loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
+            if taps is not None:
+                s_tap, t_tap = taps
+                loss = loss + cfg.feature_weight * feature_loss(
+                    s_tap.take(), t_tap.take(), s_tap.names, x.get("attention_mask")
                 )
-            else:
-                bad += 1
-                if bad >= cfg.patience:
-                    result.stopped_early = step_i < cfg.steps
-                    break
-        if step_i >= cfg.steps:
-            break
-    bar.close()
-    student.load_state_dict(best_state)
-    student.eval()
-    result.val_after = best
-    return result
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            value = float(loss.detach())
+            running = value if step_i == 1 else 0.9 * running + 0.1 * value
+            bar.update(1)
+            bar.set_postfix(loss=f"{running:.4f}", best=f"{best:.4f}")
+            if on_step is not None:
+                on_step(step_i, value)
+            result.steps = step_i
+            if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
+                v = _val_loss(student, teacher, val, output_kind, cfg)
+                result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
+                if v < best * (1.0 - cfg.min_delta):
+                    best, best_state, bad, result.best_step = (
+                        v,
+                        copy.deepcopy(student.state_dict()),
+                        0,
+                        step_i,
+                    )
+                else:
+                    bad += 1
+                    if bad >= cfg.patience:
+                        result.stopped_early = step_i < cfg.steps
+                        break
+            if step_i >= cfg.steps:
+                break
+        bar.close()
+        student.load_state_dict(best_state)
+        student.eval()
+        result.val_after = best
+        return result
+    finally:
+        if taps is not None:
+            for tap in taps:
+                tap.close()
 
 
 def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Task | None) -> Any:

@@ -15,7 +15,8 @@ Each evaluation label is the document's row of the (symmetrised) rating matrix.
 Calibration and distillation text: real English sentences from other corpora in the same test
 data. Calibration takes the sentences of the even-numbered articles of the Lee background corpus
 (``lee_background.cor``, 300 news articles); training (unlabelled, for distillation) takes the
-odd-numbered articles plus the movie-review snippets of ``pang_lee_polarity.cor``. Two other
+odd-numbered articles, as single sentences and as passages of consecutive sentences about as long
+as the evaluation documents, plus the movie-review snippets of ``pang_lee_polarity.cor``. Two other
 files there are left out on purpose: ``crime-and-punishment.txt`` is Russian (the model is
 English-only) and ``mini_newsgroup`` is a pickle (unpickling runs code).
 
@@ -25,6 +26,7 @@ FP32 teacher's embeddings.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ SEQ_LEN = 128
 BATCH = 32
 EVAL_BATCH = 10
 MIN_WORDS = 4  # shorter fragments (datelines, headings) are not sentences
+PASSAGE_WORDS = 90  # about 120 tokens: the evaluation documents' length, inside SEQ_LEN
 INPUT_NAMES = ("input_ids", "attention_mask")
 
 # One sentence ends at . ! or ? (optionally followed by a closing quote) before whitespace and
@@ -182,10 +185,35 @@ def eval_data() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
         yield tokenize(docs[i : i + EVAL_BATCH]), sims[i : i + EVAL_BATCH].astype(np.float32)
 
 
+@cache
+def train_passages() -> tuple[str, ...]:
+    """Passages of the odd-numbered Lee background articles: runs of consecutive sentences of
+    about ``PASSAGE_WORDS`` words, a new one starting every other sentence. They have the length
+    of the evaluation documents (news paragraphs of 45-150 words), which single sentences don't:
+    a student distilled on sentences alone drifts on long inputs."""
+    out: list[str] = []
+    for article in _lines("lee_background.cor")[1::2]:
+        sents = split_sentences(article)
+        for start in range(0, len(sents), 2):
+            words: list[str] = []
+            for sent in sents[start:]:
+                words += sent.split()
+                if len(words) >= PASSAGE_WORDS:
+                    break
+            if len(words) >= PASSAGE_WORDS // 2:
+                out.append(" ".join(words))
+    return tuple(dict.fromkeys(out))
+
+
 def train_data() -> Iterator[tuple[dict[str, np.ndarray], None]]:
-    """Unlabelled real text for distillation (none of it is calibration text)."""
-    for batch in _batches(train_sentences(), BATCH):
-        yield batch, None
+    """Unlabelled real text for distillation (none of it is calibration or evaluation text):
+    batches of passages and of sentences, alternating while both last."""
+    passages = _batches(train_passages(), BATCH)
+    sentences = _batches(train_sentences(), BATCH)
+    for pair in itertools.zip_longest(passages, sentences):
+        for batch in pair:
+            if batch is not None:
+                yield batch, None
 
 
 def metric(outputs: np.ndarray, labels: np.ndarray) -> float:

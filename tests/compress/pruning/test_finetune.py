@@ -164,3 +164,42 @@ def test_dynamic_padding_cuts_only_all_padding_columns() -> None:
     keep = torch.from_numpy(mask[:, :7]).bool()
     torch.testing.assert_close(short[keep], full[keep], atol=1e-5, rtol=1e-4)
     assert trim_padding({"x": ids}) == {"x": ids}  # no mask: untouched
+
+
+def _hidden_error(student: nn.Module, teacher: nn.Module, data: Any) -> float:
+    """Relative squared error of the first layer's output, student against teacher."""
+    with torch.no_grad():
+        err = [
+            float(((student.a(x) - teacher.a(x)) ** 2).sum() / (teacher.a(x) ** 2).sum())
+            for x in (torch.from_numpy(b["x"]) for b, _ in data())
+        ]
+    return float(np.mean(err))
+
+
+def test_feature_distillation_pulls_hidden_states_to_the_teacher() -> None:
+    data = _batches(labels=False)
+    teacher, plain = _pair()
+    feat = copy.deepcopy(plain)
+    before = _hidden_error(plain, teacher, data)
+    base = FinetuneConfig(steps=60, lr=1e-2, eval_every=60, progress=False)
+    distill(plain, teacher, data, base, output_kind="logits")
+    distill(feat, teacher, data,
+            base.model_copy(update={"features": "a", "feature_weight": 1.0}), output_kind="logits")  # fmt: skip
+    # matching the outputs alone leaves the hidden layer where it is; matching it too moves it
+    assert _hidden_error(feat, teacher, data) < 0.5 * _hidden_error(plain, teacher, data)
+    assert _hidden_error(feat, teacher, data) < 0.5 * before
+    assert all(not m._forward_hooks for m in feat.modules())  # hooks removed afterwards
+
+
+def test_feature_distillation_names_a_bad_module_pattern_or_shape() -> None:
+    from slimline.errors import RecipeError
+
+    teacher, student = _pair()
+    with pytest.raises(RecipeError, match="matches no module"):
+        distill(student, teacher, _batches(), FinetuneConfig(steps=2, features="nope",
+                progress=False), output_kind="logits")  # fmt: skip
+    narrow = Net()
+    narrow.a, narrow.b = nn.Linear(16, 24), nn.Linear(24, 4)  # a pruned hidden layer
+    with pytest.raises(RecipeError, match=r"module a outputs \(32, 24\)"):
+        distill(narrow, teacher, _batches(), FinetuneConfig(steps=2, features="a",
+                progress=False), output_kind="logits")  # fmt: skip
