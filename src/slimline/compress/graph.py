@@ -9,6 +9,7 @@ after go into the candidate's record so the change can be inspected.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -19,8 +20,9 @@ from ..candidate import Candidate
 from ..context import StepContext
 from ..measure.runners import ort_session
 from ..recipe import StepConfig
-from ..record import atomic_write_bytes
 from ..steps import step
+from ..task import Inputs
+from .quant.prepare import fuse_transformer
 
 __all__ = ["GraphConfig", "is_transformer", "op_counts", "optimize_graph"]
 
@@ -44,26 +46,26 @@ def is_transformer(counts: dict[str, int]) -> bool:
     return counts.get("Softmax", 0) > 0 and counts.get("MatMul", 0) >= 4 and has_norm
 
 
-def _transformer_fusion(src: Path, dst: Path, threads: int) -> None:
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    # num_heads=0/hidden_size=0: the fusion detects them from the graph.
-    opt = optimize_model(str(src), model_type="bert", num_heads=0, hidden_size=0, opt_level=0)
-    atomic_write_bytes(dst, opt.model.SerializeToString())
-
-
-def optimize_graph(src: Path, dst: Path, cfg: GraphConfig, threads: int) -> dict[str, Any]:
+def optimize_graph(
+    src: Path, dst: Path, cfg: GraphConfig, threads: int, sample: Inputs | None = None
+) -> dict[str, Any]:
+    """ONNX Runtime's offline optimization of ``src`` at ``cfg.level`` into ``dst``; for a
+    BERT-class graph, first its transformer fusions. With a ``sample``, the fusion tries the
+    head counts the hidden size allows and keeps the one that fuses Attention and still agrees
+    with ``src`` on the sample (auto-detection fails on the legacy exporter's reshapes); without,
+    it lets the fuser detect them."""
     before = op_counts(src)
     work = src
+    notes: list[str] = []
     fused = cfg.transformer == "bert" or (cfg.transformer == "auto" and is_transformer(before))
+    scratch = dst.with_name(dst.stem + ".fusion")
     if fused:
-        work = dst.with_name(dst.stem + ".fused.onnx")
-        _transformer_fusion(src, work, threads)
+        scratch.mkdir(parents=True, exist_ok=True)
+        work = fuse_transformer(src, scratch, sample, threads, notes)
     tmp = dst.with_name(f".{dst.name}.tmp")
     ort_session(work, threads, optimized_out=tmp, level=cfg.level)
     tmp.replace(dst)
-    if fused:
-        work.unlink(missing_ok=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     after = op_counts(dst)
     folded = before.get("BatchNormalization", 0) - after.get("BatchNormalization", 0)
     return {
@@ -72,6 +74,8 @@ def optimize_graph(src: Path, dst: Path, cfg: GraphConfig, threads: int) -> dict
         "ops_before": before,
         "ops_after": after,
         "batchnorm_folded": folded,
+        "attention_fused": after.get("Attention", 0),
+        "notes": notes,
         "nodes_before": sum(before.values()),
         "nodes_after": sum(after.values()),
     }
@@ -80,7 +84,9 @@ def optimize_graph(src: Path, dst: Path, cfg: GraphConfig, threads: int) -> dict
 @step(GraphConfig)
 def graph_step(cfg: GraphConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     assert cand.onnx is not None, "graph runs on an exported candidate"
-    record = optimize_graph(cand.onnx, ctx.workdir / "model.onnx", cfg, ctx.threads)
+    record = optimize_graph(
+        cand.onnx, ctx.workdir / "model.onnx", cfg, ctx.threads, ctx.task.sample_inputs(1)
+    )
     log.info(
         "graph: %d -> %d nodes, %d BatchNorm folded, transformer fusion %s",
         record["nodes_before"],

@@ -181,3 +181,30 @@ def test_percentile_ranges_clip_inside_minmax(prepared, tmp_path: Path) -> None:
     lo, hi = x["percentile"]
     assert x["minmax"][0] <= lo < hi <= x["minmax"][1]
     assert hi - lo < 0.5 * (x["minmax"][1] - x["minmax"][0])  # the 40x spikes are clipped
+
+
+def test_entropy_ranges_differ_from_minmax_and_clip_the_spikes(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """ONNX Runtime's entropy calibration at its default 128 bins writes MinMax's file again; with
+    slimline's bins the KL threshold search clips rare 40x spikes inside the MinMax range."""
+    from onnxruntime.quantization.calibrate import load_tensors_data
+
+    calib = calibrate(
+        prepared.path,
+        list(batches(_spiky, 2, 16)),
+        tmp_path / "e",
+        samples=32,
+        methods={"minmax", "entropy"},
+    )
+    ranges = {m: load_tensors_data(p) for m, p in calib.caches.items()}
+    assert set(ranges) == {"minmax", "entropy"}
+    mm = [float(v) for v in ranges["minmax"]["x"].range_value]
+    lo, hi = (float(v) for v in ranges["entropy"]["x"].range_value)
+    assert mm[0] <= lo < hi <= mm[1] + 1e-6
+    assert hi - lo < 0.5 * (mm[1] - mm[0])  # the spikes are clipped, not kept
+    # every calibrated tensor has an entropy range, and at least one differs from MinMax
+    assert set(ranges["entropy"]) == set(ranges["minmax"])
+    assert any(
+        [float(v) for v in ranges["entropy"][k].range_value]
+        != pytest.approx([float(v) for v in ranges["minmax"][k].range_value], rel=1e-3)
+        for k in ranges["minmax"]
+    )

@@ -234,3 +234,24 @@ def test_out_of_range_serving_inputs_warn_only_where_the_chosen_model_uses_the_r
     else:
         assert rep["flagged_in_chosen"] == [] and warned == []
         assert "does not quantize with those ranges" in rep["note"]
+
+
+def test_graph_step_fuses_attention_and_keeps_the_outputs(
+    encoder_onnx: Path, tmp_path: Path
+) -> None:
+    """The graph step fuses Attention with the verified head count (the fuser's own detection
+    fails on the legacy exporter's reshapes), and the optimized graph computes the same thing."""
+    import numpy as np
+
+    from slimline.compress.graph import GraphConfig, optimize_graph
+    from slimline.measure.runners import OrtRunner
+
+    sample = text_inputs(1, 1)
+    dst = tmp_path / "g.onnx"
+    rec = optimize_graph(encoder_onnx, dst, GraphConfig(), threads=1, sample=sample)
+    assert rec["transformer_fusion"] and rec["attention_fused"] == 2, rec
+    assert any("num_heads=" in n for n in rec["notes"])
+    assert not dst.with_name("g.fusion").exists()  # scratch files removed
+    x = text_inputs(7, 4)
+    a, b = OrtRunner("a", encoder_onnx, 1).run(x), OrtRunner("b", dst, 1).run(x)
+    np.testing.assert_allclose(a, b, atol=1e-4)

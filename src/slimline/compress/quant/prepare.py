@@ -95,7 +95,7 @@ def prepare(
     atomic_write_bytes(work, model.SerializeToString())
     transformer = _is_transformer(model)
     if optimize and transformer and not _has(model, "Attention"):
-        work = _fuse_transformer(work, out_dir, sample, threads, notes)
+        work = fuse_transformer(work, out_dir, sample, threads, notes)
     _pre_process(work, dst, skip_optimization=not optimize or transformer, notes=notes)
     _verify(src, dst, sample, threads, "prepared graph")
     prepared = onnx.load(str(dst), load_external_data=False)
@@ -212,13 +212,19 @@ def _hidden_size(model: onnx.ModelProto) -> int:
     return squares.most_common(1)[0][0] if squares else 0
 
 
-def _fuse_transformer(
-    src: Path, out_dir: Path, sample: Inputs, threads: int, notes: list[str]
+def fuse_transformer(
+    src: Path, out_dir: Path, sample: Inputs | None, threads: int, notes: list[str]
 ) -> Path:
+    """ONNX Runtime's BERT fusions of ``src``, written under ``out_dir``; returns the fused file
+    (or ``src`` when every fusion changed the outputs). Head counts to try: detected (0), then
+    hidden/64, /32, /128, /16; the first that fuses Attention and agrees with ``src`` on
+    ``sample`` wins. Without a sample only detection is tried, unchecked."""
     from onnxruntime.transformers.optimizer import optimize_model
 
     hidden = _hidden_size(onnx.load(str(src), load_external_data=False))
     tries = [0] + [hidden // d for d in (64, 32, 128, 16) if hidden and hidden % d == 0]
+    if sample is None:
+        tries = [0]
     best: tuple[int, Path, dict[str, int]] | None = None
     for heads in dict.fromkeys(tries):
         dst = out_dir / f"fused-h{heads}.onnx"
@@ -234,7 +240,7 @@ def _fuse_transformer(
         with tempfile.TemporaryDirectory() as tmp:
             opt.save_model_to_file(str(Path(tmp) / "fused.onnx"))  # adds the com.microsoft opset
             atomic_write_bytes(dst, (Path(tmp) / "fused.onnx").read_bytes())
-        if not _agrees(src, dst, sample, threads):
+        if sample is not None and not _agrees(src, dst, sample, threads):
             continue
         if best is None or stats.get("Attention", 0) > best[2].get("Attention", 0):
             best = (heads, dst, stats)
