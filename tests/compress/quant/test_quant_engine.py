@@ -149,3 +149,53 @@ def test_a_model_with_nothing_quantizable_is_an_error(tmp_path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     with pytest.raises(StepError, match="nothing to quantize"):
         prepare(path, tmp_path / "p", {"x": np.ones((1, 4), np.float32)})
+
+
+def _head_split_model(width: int, head_size: int) -> onnx.ModelProto:
+    """x[N, S, width] @ W + b, reshaped to [N, S, -1, head_size] the way recent exports do."""
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), "W"),
+        onnx.numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "b"),
+        onnx.numpy_helper.from_array(np.array([0], np.int64), "i0"),
+        onnx.numpy_helper.from_array(np.array([1], np.int64), "i1"),
+        onnx.numpy_helper.from_array(np.array([-1], np.int64), "minus1"),
+        onnx.numpy_helper.from_array(np.array([head_size], np.int64), "hs"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["mm"], name="q/MatMul"),
+        helper.make_node("Add", ["mm", "b"], ["q"], name="q/Add"),
+        helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+        helper.make_node("Gather", ["shp", "i0"], ["n"], name="g0"),
+        helper.make_node("Gather", ["shp", "i1"], ["s"], name="g1"),
+        helper.make_node("Concat", ["n", "s", "minus1", "hs"], ["dims"], axis=0, name="cat"),
+        helper.make_node("Reshape", ["q", "dims"], ["y"], name="split"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "heads",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_head_counts_are_written_into_head_splitting_reshapes(tmp_path: Path) -> None:
+    from slimline.compress.quant.prepare import explicit_head_counts
+
+    model = _head_split_model(width=40, head_size=8)  # a pruned layer: 5 heads of 8
+    before = tmp_path / "before.onnx"
+    onnx.save(model, str(before))
+    assert explicit_head_counts(model) == 1
+    cat = next(n for n in model.graph.node if n.op_type == "Concat")
+    heads = next(i for i in model.graph.initializer if i.name == cat.input[2])
+    assert onnx.numpy_helper.to_array(heads).tolist() == [5]
+    after = tmp_path / "after.onnx"
+    onnx.save(model, str(after))
+    x = {"x": np.random.default_rng(1).standard_normal((2, 3, 40)).astype(np.float32)}
+    a, b = (ort_session(p, 1).run(None, x)[0] for p in (before, after))
+    assert a.shape == (2, 3, 5, 8) and np.array_equal(a, b)
+    assert explicit_head_counts(model) == 0  # nothing left to rewrite
+    # a width the head size does not divide is left alone
+    assert explicit_head_counts(_head_split_model(width=36, head_size=8)) == 0

@@ -73,6 +73,12 @@ class PruneConfig(StepConfig):
         10, ge=1, le=100, description="pruning rounds, each followed by fine-tuning"
     )
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    final_steps: int | None = Field(
+        None,
+        ge=0,
+        description="fine-tuning steps after the last round (default: finetune.steps); the "
+        "final model is what ships, so its recovery is usually the one worth paying for",
+    )
     sensitivity_samples: int = Field(1000, ge=1, description="evaluation rows for the sweep")
     fidelity_weight: float = Field(1.0, ge=0.0, description="weight of (1 - cosine) in the loss")
     workers: int = Field(
@@ -350,7 +356,10 @@ def _one_round(
     importance, imp_name = _importance(cfg, ctx, graph.model, teacher, data, source)
     removed = {n: graph.prune_to(n, k, importance) for n, k in todo.items()}
     graph.model.zero_grad(set_to_none=True)
-    ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
+    update: dict[str, Any] = {"progress": cfg.progress and cfg.finetune.progress}
+    if i == cfg.rounds and cfg.final_steps is not None:
+        update["steps"] = cfg.final_steps
+    ft_cfg = cfg.finetune.model_copy(update=update)
     ft = distill(
         graph.model,
         teacher,

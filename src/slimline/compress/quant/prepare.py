@@ -212,6 +212,59 @@ def _hidden_size(model: onnx.ModelProto) -> int:
     return squares.most_common(1)[0][0] if squares else 0
 
 
+def _constant(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    for init in model.graph.initializer:
+        if init.name == name:
+            return numpy_helper.to_array(init)
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.output[0] == name:
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+    return None
+
+
+def explicit_head_counts(model: onnx.ModelProto) -> int:
+    """Write each attention layer's head count into its head-splitting reshape; returns how many
+    were rewritten.
+
+    Recent exports split heads with ``reshape(batch, seq, -1, head_size)``: the shape is a Concat
+    whose third entry is -1, from which ONNX Runtime's attention fusion cannot read the head
+    count (it then needs one global ``num_heads``, which a pruned encoder with different heads
+    per layer does not have). Where the reshaped tensor comes from a projection whose width ``H``
+    is known from its weight or bias, -1 means exactly ``H / head_size``; writing that number in
+    changes nothing at run time and lets the fusion detect every layer's heads."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
+    done = 0
+    for node in model.graph.node:
+        if node.op_type != "Reshape":
+            continue
+        concat = producers.get(node.input[1])
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 4:
+            continue
+        heads, size = _constant(model, concat.input[2]), _constant(model, concat.input[3])
+        if heads is None or size is None or heads.size != 1 or size.size != 1:
+            continue
+        if int(heads.reshape(-1)[0]) != -1 or int(size.reshape(-1)[0]) <= 0:
+            continue
+        src = producers.get(node.input[0])
+        width = None
+        if src is not None and src.op_type in ("Add", "MatMul"):
+            dims = [inits[i] for i in src.input if i in inits]
+            if dims:
+                width = dims[0][-1]
+        head_size = int(size.reshape(-1)[0])
+        if not width or width % head_size:
+            continue
+        name = f"{concat.name or concat.output[0]}/num_heads"
+        value = np.array([width // head_size], dtype=heads.dtype)
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+        concat.input[2] = name
+        done += 1
+    return done
+
+
 def fuse_transformer(
     src: Path, out_dir: Path, sample: Inputs | None, threads: int, notes: list[str]
 ) -> Path:
@@ -221,7 +274,14 @@ def fuse_transformer(
     ``sample`` wins. Without a sample only detection is tried, unchecked."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    hidden = _hidden_size(onnx.load(str(src), load_external_data=False))
+    model = onnx.load(str(src))
+    hidden = _hidden_size(model)
+    if explicit_head_counts(model):
+        src_explicit = out_dir / "explicit-heads.onnx"
+        atomic_write_bytes(src_explicit, model.SerializeToString())
+        notes.append("head counts written into the head-splitting reshapes (exported as -1)")
+    else:
+        src_explicit = src
     tries = [0] + [hidden // d for d in (64, 32, 128, 16) if hidden and hidden % d == 0]
     if sample is None:
         tries = [0]
@@ -230,7 +290,7 @@ def fuse_transformer(
         dst = out_dir / f"fused-h{heads}.onnx"
         with _quiet():
             opt = optimize_model(
-                str(src),
+                str(src_explicit),
                 model_type="bert",
                 num_heads=heads,
                 hidden_size=hidden if heads else 0,
