@@ -188,13 +188,13 @@ def eval_data() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
 @cache
 def train_passages() -> tuple[str, ...]:
     """Passages of the odd-numbered Lee background articles: runs of consecutive sentences of
-    about ``PASSAGE_WORDS`` words, a new one starting every other sentence. They have the length
+    about ``PASSAGE_WORDS`` words, a new one starting at every sentence. They have the length
     of the evaluation documents (news paragraphs of 45-150 words), which single sentences don't:
     a student distilled on sentences alone drifts on long inputs."""
     out: list[str] = []
     for article in _lines("lee_background.cor")[1::2]:
         sents = split_sentences(article)
-        for start in range(0, len(sents), 2):
+        for start in range(len(sents)):
             words: list[str] = []
             for sent in sents[start:]:
                 words += sent.split()
