@@ -291,9 +291,14 @@ def markdown(
         f"Machine: {_cpu()}, {os.cpu_count()} cores, "
         f"{THREADS} threads per session, ONNX Runtime {onnxruntime.__version__}. "
         f"Load average (1/5/15 min) before: {', '.join(f'{x:.1f}' for x in load[0])}; after: "
-        f"{', '.join(f'{x:.1f}' for x in load[1])}. Bench wall time {wall / 60:.1f} min. The machine "
-        "was shared with other work, so absolute milliseconds are noisy; the ratios come from one "
-        "interleaved run per model.",
+        f"{', '.join(f'{x:.1f}' for x in load[1])} (the bench itself keeps about 2-3 tasks "
+        f"runnable). Bench wall time {wall / 60:.1f} min. "
+        + (
+            "Other work was running when it started, so absolute milliseconds are noisy; "
+            if load[0][0] > (os.cpu_count() or 1)
+            else "Nothing else was running when it started; "
+        )
+        + "the ratios come from one interleaved run per model.",
         "",
     ]
     for r in results:

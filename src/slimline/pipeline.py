@@ -51,6 +51,7 @@ from .task import Task, load_task
 __all__ = ["Run", "run_recipe"]
 
 log = logging.getLogger("slimline.pipeline")
+BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it unreliable
 
 
 @dataclass
@@ -423,9 +424,12 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     before = _load_check(run, "before")
     with _timed("benchmark (interleaved)"):
         figures = benchmark(cands, sample, bench, run.threads, desc="measure all candidates")
+    after = _load_check(run, "after")
     run.extra["measurement_conditions"] = {
-        "load_before": before,
-        "load_after": _load_check(run, "after"),
+        "other_cores_before": before["other_cores"],
+        "other_cores_after": after["other_cores"],
+        "load_before": before["load"],
+        "load_after": after["load"],
         "cores": os.cpu_count(),
         "threads": run.threads,
     }
@@ -441,24 +445,30 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     return figures
 
 
-def _load_check(run: Run, when: str) -> float:
-    """The 1-minute load average; a warning when other work competes for the cores.
+def _load_check(run: Run, when: str) -> dict[str, float | None]:
+    """Other work on the machine, sampled for a second (see :func:`measure.host.busy_cores`),
+    and the 1-minute load average; a warning when other work takes half a core or more.
 
     Interleaving protects ratios from slow drifts, not from oversubscription: when more
     runnable threads than cores compete, multi-threaded kernels wait on each other and absolute
     figures (and even ratios) stop meaning much. The manifest says so rather than hiding it.
     """
+    from .measure.host import busy_cores
+
+    other = busy_cores(1.0)
     load = os.getloadavg()[0]
     cores = os.cpu_count() or 1
-    if load > cores + 0.5:
+    busy = other >= BUSY_CORES if other is not None else load > cores + 0.5
+    if busy:
+        what = f"other work used {other:.1f} cores" if other is not None else f"load {load:.1f}"
         msg = (
-            f"machine busy {when} measuring (load {load:.1f} on {cores} cores): latency figures are "
+            f"machine busy {when} measuring ({what}, {cores} cores): latency figures are "
             "inflated and less reliable; measure on a quiet machine"
         )
         if msg not in run.warnings:
             run.warnings.append(msg)
         log.warning(msg)
-    return round(load, 2)
+    return {"other_cores": other, "load": round(load, 2)}
 
 
 def _profile(run: Run) -> None:
