@@ -94,6 +94,7 @@ def test_search_picks_the_fast_variant_and_drops_the_dominated_one(tmp_path: Pat
     started: list[tuple[str, list[str]]] = []
     cfg = TuneConfig(
         slo_p99_ms=40,
+        ort_spinning=[False],
         max_batch_sizes=[8, 16],
         queue_delays_ms=[2.0],
         instances=[1],
@@ -127,6 +128,7 @@ def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
     run = _run_dir(tmp_path, {"lin": True}, "lin")
     cfg = TuneConfig(
         slo_p99_ms=200,
+        ort_spinning=[False],
         max_batch_sizes=[8],
         queue_delays_ms=[2.0],
         instances=[1],
@@ -157,9 +159,36 @@ def test_tune_serving_against_a_real_server(tmp_path: Path) -> None:
 def test_search_stops_when_nothing_meets_the_slo(tmp_path: Path) -> None:
     run = _run_dir(tmp_path, {"a": True, "b": True}, "a")
     started: list[tuple[str, list[str]]] = []
-    cfg = TuneConfig(slo_p99_ms=5, max_batch_sizes=[4], queue_delays_ms=[2.0], instances=[1],
+    cfg = TuneConfig(slo_p99_ms=5, ort_spinning=[False], max_batch_sizes=[4], queue_delays_ms=[2.0], instances=[1],
                      start_rate=40, refine=0, step_duration_s=0.5, step_warmup_s=0.1,
                      max_steps=2, max_lag_ms=1000, min_requests=10)  # fmt: skip
     doc = tune_serving(run, cfg, start_server=_stub_starter({"a": 20.0, "b": 20.0}, started))
     assert doc["best"] is None and "no configuration met p99 <= 5 ms" in doc["note"]
     assert [s for s, _ in started] == ["a", "b"]  # one failed step each, nothing finer
+
+
+def test_spinning_is_tried_per_variant_and_carried_into_the_refinement(tmp_path: Path) -> None:
+    """A server that is only fast with spin-waiting (a many-op model on dedicated cores): the
+    first stage tries both, later stages refine the spinning setting, the command carries it."""
+    run = _run_dir(tmp_path, {"enc": True}, "enc")
+    started: list[list[str]] = []
+
+    def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
+        @contextmanager
+        def cm() -> Iterator[str]:
+            started.append(args)
+            delay = 2.0 if "--ort-spinning" in args else 50.0
+            with stub_server("--model", path.stem, "--serial", "--delay-ms", str(delay)) as url:
+                yield url
+
+        return cm()
+
+    cfg = TuneConfig(slo_p99_ms=40, max_batch_sizes=[16], queue_delays_ms=[2.0], instances=[1],
+                     start_rate=40, factor=2, refine=0, step_duration_s=0.6, step_warmup_s=0.1,
+                     max_steps=2, max_lag_ms=1000, min_requests=10)  # fmt: skip
+    doc = tune_serving(run, cfg, start_server=start)
+    spins = [("--ort-spinning" in a) for a in started]
+    assert spins[:2] == [False, True] and all(spins[2:]), started  # refined with spinning on
+    assert doc["best"]["serve"]["ort_spinning"] is True
+    assert doc["default"]["knee_rate"] is None  # 50 ms per request fails a 40 ms SLO at once
+    assert doc["serve_command"].endswith("--ort-spinning")

@@ -343,6 +343,8 @@ def _register_tune(sub: Any) -> None:
     p.add_argument("--max-batch-sizes", default="1,4,8,16,32")
     p.add_argument("--queue-delays-ms", default="0.5,2,5")
     p.add_argument("--instances", default="1,2")
+    p.add_argument("--no-spinning", action="store_true",
+                   help="do not try ONNX Runtime spin-waiting (e.g. on cores shared with others)")  # fmt: skip
     p.add_argument("--start-rate", type=float, default=20.0)
     p.add_argument("--factor", type=float, default=1.4, help="sweep growth per step")
     p.add_argument("--step-duration", type=float, default=3.0, help="measured seconds per step")
@@ -371,6 +373,7 @@ def _tune_cmd(args: argparse.Namespace) -> int:
             max_batch_sizes=_numbers(args.max_batch_sizes, int, "--max-batch-sizes"),
             queue_delays_ms=_numbers(args.queue_delays_ms, float, "--queue-delays-ms"),
             instances=_numbers(args.instances, int, "--instances"),
+            ort_spinning=[False] if args.no_spinning else [False, True],
             start_rate=args.start_rate,
             factor=args.factor,
             step_duration_s=args.step_duration,

@@ -48,6 +48,7 @@ class ServeSetting(Config):
     max_queue_delay_ms: float = Field(2.0, ge=0)
     instances: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1, description="default: cores / instances")
+    ort_spinning: bool = Field(False, description="idle ONNX Runtime threads spin-wait")
 
     def args(self) -> list[str]:
         threads = self.threads or max(1, (os.cpu_count() or 1) // self.instances)
@@ -56,7 +57,7 @@ class ServeSetting(Config):
             "--max-queue-delay-ms", f"{self.max_queue_delay_ms:g}",
             "--instances", str(self.instances),
             "--threads", str(threads),
-        ]  # fmt: skip
+        ] + (["--ort-spinning"] if self.ort_spinning else [])  # fmt: skip
 
 
 class TuneConfig(Config):
@@ -65,6 +66,11 @@ class TuneConfig(Config):
     max_batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 8, 16, 32])
     queue_delays_ms: list[float] = Field(default_factory=lambda: [0.5, 2.0, 5.0])
     instances: list[int] = Field(default_factory=lambda: [1, 2])
+    ort_spinning: list[bool] = Field(
+        default_factory=lambda: [False, True],
+        description="spin-wait settings tried with each variant in the first stage: spinning "
+        "threads answer a many-op model (a transformer) sooner, at the price of burnt CPU",
+    )
     start_rate: float = Field(20.0, gt=0)
     factor: float = Field(1.4, gt=1)
     refine: int = Field(1, ge=0)
@@ -232,20 +238,26 @@ def tune_serving(
     payloads = build_payloads(load_samples(str(run_dir)), cfg.encoding)
     search = _Search(cfg, variants, payloads, start_server, stop)
     default = ServeSetting()
-    for v in variants:  # stage 1: variants at the default settings
-        search.measure(v, default, "variants")
-    for v in search.alive(list(variants)):  # stage 2: batch size
+    for v in variants:  # stage 1: variants at the default settings, with and without spinning
+        for spin in dict.fromkeys([False, *cfg.ort_spinning]):
+            search.measure(v, default.model_copy(update={"ort_spinning": spin}), "variants")
+    for v in search.alive(list(variants)):  # stage 2: batch size, at the variant's best so far
+        base = _best_setting(search, v)
         for mbs in cfg.max_batch_sizes:
-            search.measure(v, default.model_copy(update={"max_batch_size": mbs}), "batch size")
+            search.measure(v, base.model_copy(update={"max_batch_size": mbs}), "batch size")
     for v in search.alive(list(variants)):  # stage 3: delay and instances around the best batch
-        best_v = search.best(v)
-        assert best_v is not None
-        mbs = best_v["serve"]["max_batch_size"]
+        base = _best_setting(search, v)
         for delay in cfg.queue_delays_ms:
             for inst in cfg.instances:
-                setting = ServeSetting(max_batch_size=mbs, max_queue_delay_ms=delay, instances=inst)
-                search.measure(v, setting, "delay and instances")
+                update = {"max_queue_delay_ms": delay, "instances": inst, "threads": None}
+                search.measure(v, base.model_copy(update=update), "delay and instances")
     return _result(run_dir, cfg, search, default)
+
+
+def _best_setting(search: _Search, variant: str) -> ServeSetting:
+    best = search.best(variant)
+    assert best is not None, "only variants in the race are refined"
+    return ServeSetting(**best["serve"])
 
 
 def _selected(run_dir: Path) -> str | None:
