@@ -164,18 +164,21 @@ def test_distribution_analysis_recommends_percentile_for_heavy_outliers(
     assert spiky.stats["x"]["outlier_share"] > 1e-4 > clean.stats["x"]["outlier_share"]
 
 
-def test_percentile_ranges_clip_inside_minmax(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _spiky_ranges(prepared, out: Path, methods: set[str], **kw):  # type: ignore[no-untyped-def]
+    """Calibrate on spiky inputs; the calibration and each method's cached ranges."""
     from onnxruntime.quantization.calibrate import load_tensors_data
 
     calib = calibrate(
-        prepared.path,
-        list(batches(_spiky, 2, 16)),
-        tmp_path / "r",
-        samples=32,
-        methods={"minmax", "percentile"},
-        percentile=99.0,  # the spikes are 0.1% of the values: a 99% range leaves them out
+        prepared.path, list(batches(_spiky, 2, 16)), out, samples=32, methods=methods, **kw
     )
-    ranges = {m: load_tensors_data(p) for m, p in calib.caches.items()}
+    return calib, {m: load_tensors_data(p) for m, p in calib.caches.items()}
+
+
+def test_percentile_ranges_clip_inside_minmax(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # the spikes are 0.1% of the values: a 99% range leaves them out
+    calib, ranges = _spiky_ranges(
+        prepared, tmp_path / "r", {"minmax", "percentile"}, percentile=99.0
+    )
     x = {m: [float(v) for v in ranges[m]["x"].range_value] for m in ranges}
     assert x["minmax"] == pytest.approx(list(calib.ranges["x"]), rel=1e-5)
     lo, hi = x["percentile"]
@@ -186,16 +189,7 @@ def test_percentile_ranges_clip_inside_minmax(prepared, tmp_path: Path) -> None:
 def test_entropy_ranges_differ_from_minmax_and_clip_the_spikes(prepared, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """ONNX Runtime's entropy calibration at its default 128 bins writes MinMax's file again; with
     slimline's bins the KL threshold search clips rare 40x spikes inside the MinMax range."""
-    from onnxruntime.quantization.calibrate import load_tensors_data
-
-    calib = calibrate(
-        prepared.path,
-        list(batches(_spiky, 2, 16)),
-        tmp_path / "e",
-        samples=32,
-        methods={"minmax", "entropy"},
-    )
-    ranges = {m: load_tensors_data(p) for m, p in calib.caches.items()}
+    _, ranges = _spiky_ranges(prepared, tmp_path / "e", {"minmax", "entropy"})
     assert set(ranges) == {"minmax", "entropy"}
     mm = [float(v) for v in ranges["minmax"]["x"].range_value]
     lo, hi = (float(v) for v in ranges["entropy"]["x"].range_value)
