@@ -29,7 +29,7 @@ from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext
 from .errors import SlimlineError, StepError
 from .export import ExportConfig
-from .measure.latency import benchmark
+from .measure.latency import benchmark, pool_rounds, speed_verdict
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
 from .measure.runners import make_runner
@@ -331,19 +331,36 @@ def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
         return _judge_size(parent, cand, b.min_gain, budget_reason)
     lat = _compare(run, [parent, cand])
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
+    verdict, pair = speed_verdict(p, c, b.min_gain)
+    if verdict == "inconclusive":
+        # Enough gain at the median, but the rounds disagree: a drifting machine, not an answer.
+        # Measure again with twice the rounds and decide on all of them, paired by round.
+        log.info("step %s: speed vs %s inconclusive (%s); measuring again", cand.name,
+                 parent.name, _pair_text(pair))
+        again = _compare(run, [parent, cand], rounds=2 * run.recipe.bench.rounds)
+        p = pool_rounds(p, again[parent.name]["latency_ms"])
+        c = pool_rounds(c, again[cand.name]["latency_ms"])
+        lat = again
+        verdict, pair = speed_verdict(p, c, b.min_gain)
     ratio = c["p50"] / p["p50"]
-    separated = c["band"][1] < p["band"][0]
     pc, cc = lat[parent.name]["cpu_ms"]["p50"], lat[cand.name]["cpu_ms"]["p50"]
     figures = (
         f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name}; "
-        f"CPU time {cc / pc:.2f}x)"
+        f"CPU time {cc / pc:.2f}x; {_pair_text(pair)})"
     )
-    if ratio > 1.0 - b.min_gain or not separated:
-        why = "slower than" if ratio > 1.0 else "not measurably faster than"
+    if verdict != "faster":
+        why = "slower than" if pair["ratio"] > 1.0 else "not measurably faster than"
         return False, f"{why} {parent.name}: {figures}; {budget_reason}"
     if b.p99_ms is not None and c["p99"] > b.p99_ms:
         run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
     return True, f"faster: {figures}; {budget_reason}"
+
+
+def _pair_text(pair: dict[str, Any]) -> str:
+    return (
+        f"faster in {pair['faster_rounds']} of {pair['rounds']} interleaved rounds, "
+        f"median per-round ratio {pair['ratio']:.2f}, sign test p={pair['p_value']:.3f}"
+    )
 
 
 def _judge_size(parent: Candidate, cand: Candidate, min_gain: float, why: str) -> tuple[bool, str]:
@@ -367,12 +384,15 @@ def _quality(run: Run, cand: Candidate) -> Quality:
     return evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
 
 
-def _compare(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+def _compare(
+    run: Run, cands: list[Candidate], rounds: int | None = None
+) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
+    bench = run.recipe.bench
     return benchmark(
         cands,
         sample,
-        run.recipe.bench,
+        bench.model_copy(update={"rounds": rounds}) if rounds else bench,
         run.threads,
         throughput=False,
         desc="compare " + " vs ".join(c.name for c in cands),

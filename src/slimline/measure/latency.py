@@ -18,7 +18,19 @@ from ..recipe import BenchConfig
 from ..task import Inputs
 from .runners import Runner, make_runner
 
-__all__ = ["benchmark", "summarize_latency", "tile_batch"]
+__all__ = [
+    "SIGN_TEST_ALPHA",
+    "benchmark",
+    "paired_speedup",
+    "pool_rounds",
+    "speed_verdict",
+    "summarize_latency",
+    "tile_batch",
+]
+
+# A candidate counts as measurably faster when its bands sit apart or, paired by round, it wins
+# more rounds than chance would give at this level (5 of 5 rounds; 12 of 15).
+SIGN_TEST_ALPHA = 0.05
 
 _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 
@@ -36,10 +48,72 @@ def summarize_latency(rounds: list[np.ndarray]) -> dict[str, Any]:
     per_round["mean"] = [float(r.mean()) for r in rounds]
     out: dict[str, Any] = {k: float(np.median(v)) for k, v in per_round.items()}
     out["band"] = [min(per_round["p50"]), max(per_round["p50"])]
+    out["per_round_p50"] = per_round["p50"]
     out["bands"] = {k: [min(v), max(v)] for k, v in per_round.items()}
     out["runs"] = int(sum(len(r) for r in rounds))
     out["rounds"] = len(rounds)
     return out
+
+
+def paired_speedup(parent: dict[str, Any], cand: dict[str, Any]) -> dict[str, Any]:
+    """How much faster ``cand`` is than ``parent``, round by round.
+
+    Both are ``summarize_latency`` results of the same interleaved benchmark, so round ``i`` of
+    each ran minutes apart at most, on the same machine state. A drifting VM moves both sides of
+    a round together: the per-round ratio cancels it, where the bands of per-round medians (the
+    unpaired view) only widen. ``ratio`` is the median per-round ratio; ``p_value`` is the
+    one-sided sign test that the candidate is faster in more rounds than chance would give.
+    """
+    from scipy.stats import binomtest
+
+    p, c = parent["per_round_p50"], cand["per_round_p50"]
+    if len(p) != len(c) or not p:
+        raise ValueError(
+            f"paired comparison needs the same rounds on both sides, got {len(p)} and {len(c)}"
+        )
+    ratios = [ci / pi for ci, pi in zip(c, p, strict=True)]
+    faster = sum(r < 1.0 for r in ratios)
+    return {
+        "ratio": float(np.median(ratios)),
+        "ratios": ratios,
+        "faster_rounds": faster,
+        "rounds": len(ratios),
+        "p_value": float(binomtest(faster, len(ratios), 0.5, alternative="greater").pvalue),
+    }
+
+
+def speed_verdict(
+    parent: dict[str, Any], cand: dict[str, Any], min_gain: float
+) -> tuple[str, dict[str, Any]]:
+    """``faster``, ``not faster`` or ``inconclusive`` for two latencies of one interleaved run.
+
+    Faster: the median per-round ratio wins by ``min_gain`` and the win is real, either because
+    the bands of per-round medians are apart (every round of the candidate beat every round of
+    the parent) or because the paired sign test says so. Inconclusive: the gain is there at the
+    median but neither test holds; measuring more rounds can settle it.
+    """
+    pair = paired_speedup(parent, cand)
+    if pair["ratio"] > 1.0 - min_gain:
+        return "not faster", pair
+    apart = cand["band"][1] < parent["band"][0]
+    if apart or pair["p_value"] <= SIGN_TEST_ALPHA:
+        return "faster", pair
+    return "inconclusive", pair
+
+
+def pool_rounds(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two ``summarize_latency`` results of the same candidate as one, over all their rounds.
+
+    Percentiles other than p50 come from ``second``, the later and longer measurement."""
+    p50 = [*first["per_round_p50"], *second["per_round_p50"]]
+    return {
+        **second,
+        "p50": float(np.median(p50)),
+        "band": [min(p50), max(p50)],
+        "per_round_p50": p50,
+        "rounds": len(p50),
+        "runs": first["runs"] + second["runs"],
+    }
 
 
 def _time_runs(runner: Runner, sample: Inputs, n: int) -> tuple[np.ndarray, np.ndarray]:

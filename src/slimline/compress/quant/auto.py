@@ -141,8 +141,8 @@ class Search:
     def faster(self, trial: Trial) -> bool:
         """Faster than FP32 for choosing among candidates: the median wins by ``min_gain`` and the
         band of per-round medians sits lower at both ends (its best and its worst round beat
-        FP32's). The pipeline then applies its own, stricter test (bands fully separated) to the
-        candidate returned; a busy machine widens the bands enough to fail that one."""
+        FP32's). The pipeline then applies its own test to the candidate returned (bands apart, or
+        faster round by round by a sign test, measuring again when that is inconclusive)."""
         if trial.latency is None or trial.fp32 is None:
             return False
         gain = self.ctx.recipe.budget.min_gain
