@@ -192,3 +192,32 @@ def test_spinning_is_tried_per_variant_and_carried_into_the_refinement(tmp_path:
     assert doc["best"]["serve"]["ort_spinning"] is True
     assert doc["default"]["knee_rate"] is None  # 50 ms per request fails a 40 ms SLO at once
     assert doc["serve_command"].endswith("--ort-spinning")
+
+
+def test_queue_delay_is_not_searched_when_the_best_batch_size_is_one(tmp_path: Path) -> None:
+    """At max_batch_size 1 a request is dispatched on arrival: delays differ only by noise, so
+    stage 3 must not spend servers on them (only the instance counts are tried)."""
+    run = _run_dir(tmp_path, {"enc": True}, "enc")
+    started: list[list[str]] = []
+
+    def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
+        @contextmanager
+        def cm() -> Iterator[str]:
+            started.append(args)
+            batch_one = args[args.index("--max-batch-size") + 1] == "1"
+            delay = 2.0 if batch_one else 10.0  # serial: under 100 rps
+            with stub_server("--model", path.stem, "--serial", "--delay-ms", str(delay)) as url:
+                yield url
+
+        return cm()
+
+    cfg = TuneConfig(slo_p99_ms=40, ort_spinning=[False], max_batch_sizes=[1, 8],
+                     queue_delays_ms=[0.5, 5.0], instances=[1, 2], start_rate=20, factor=2,
+                     refine=0, step_duration_s=0.6, step_warmup_s=0.1, max_steps=4,
+                     max_lag_ms=1000, min_requests=10)  # fmt: skip
+    doc = tune_serving(run, cfg, start_server=start)
+    assert doc["best"]["serve"]["max_batch_size"] == 1
+    stage3 = [r["serve"] for r in doc["configs"] if r["stage"] == "delay and instances"]
+    assert stage3 and {s["max_queue_delay_ms"] for s in stage3} == {2.0}  # the base's delay
+    assert {s["instances"] for s in stage3} == {2}  # instances=1 at delay 2 was already measured
+    assert len(started) == 3  # default, batch 1, batch 1 x 2 instances

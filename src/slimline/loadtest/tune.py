@@ -9,7 +9,7 @@ The search is coarse to fine and stops early on dominated configurations:
 1. *variants*: each accepted ONNX candidate of the run with the default batcher settings;
 2. *batch size*: ``max_batch_size`` over its grid, for the variants still in the race;
 3. *delay and instances*: ``max_queue_delay_ms`` and ``instances`` (threads = cores / instances)
-   around the best batch size.
+   around the best batch size (at a best batch size of 1 the delay has no effect and is kept).
 
 A configuration is out of the race when its knee is below ``dominated_ratio`` x the best knee so
 far, and each sweep starts at ``dominated_ratio`` x that best knee: a configuration that fails its
@@ -247,7 +247,10 @@ def tune_serving(
             search.measure(v, base.model_copy(update={"max_batch_size": mbs}), "batch size")
     for v in search.alive(list(variants)):  # stage 3: delay and instances around the best batch
         base = _best_setting(search, v)
-        for delay in cfg.queue_delays_ms:
+        # a batch of one is full on arrival and leaves at once: the queue delay cannot matter,
+        # so trying its values would only measure noise (and pick by it)
+        delays = cfg.queue_delays_ms if base.max_batch_size > 1 else [base.max_queue_delay_ms]
+        for delay in delays:
             for inst in cfg.instances:
                 update = {"max_queue_delay_ms": delay, "instances": inst, "threads": None}
                 search.measure(v, base.model_copy(update=update), "delay and instances")
