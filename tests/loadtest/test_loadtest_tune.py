@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
@@ -167,22 +167,29 @@ def test_search_stops_when_nothing_meets_the_slo(tmp_path: Path) -> None:
     assert [s for s, _ in started] == ["a", "b"]  # one failed step each, nothing finer
 
 
-def test_spinning_is_tried_per_variant_and_carried_into_the_refinement(tmp_path: Path) -> None:
-    """A server that is only fast with spin-waiting (a many-op model on dedicated cores): the
-    first stage tries both, later stages refine the spinning setting, the command carries it."""
-    run = _run_dir(tmp_path, {"enc": True}, "enc")
-    started: list[list[str]] = []
+def _args_starter(delay_ms: Callable[[list[str]], float], started: list[list[str]]):
+    """A one-at-a-time stub server whose delay depends on the serve flags it is started with."""
 
     def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
         @contextmanager
         def cm() -> Iterator[str]:
             started.append(args)
-            delay = 2.0 if "--ort-spinning" in args else 50.0
-            with stub_server("--model", path.stem, "--serial", "--delay-ms", str(delay)) as url:
+            with stub_server(
+                "--model", path.stem, "--serial", "--delay-ms", str(delay_ms(args))
+            ) as url:
                 yield url
 
         return cm()
 
+    return start
+
+
+def test_spinning_is_tried_per_variant_and_carried_into_the_refinement(tmp_path: Path) -> None:
+    """A server that is only fast with spin-waiting (a many-op model on dedicated cores): the
+    first stage tries both, later stages refine the spinning setting, the command carries it."""
+    run = _run_dir(tmp_path, {"enc": True}, "enc")
+    started: list[list[str]] = []
+    start = _args_starter(lambda args: 2.0 if "--ort-spinning" in args else 50.0, started)
     cfg = TuneConfig(slo_p99_ms=40, max_batch_sizes=[16], queue_delays_ms=[2.0], instances=[1],
                      start_rate=40, factor=2, refine=0, step_duration_s=0.6, step_warmup_s=0.1,
                      max_steps=2, max_lag_ms=1000, min_requests=10)  # fmt: skip
@@ -200,17 +207,10 @@ def test_queue_delay_is_not_searched_when_the_best_batch_size_is_one(tmp_path: P
     run = _run_dir(tmp_path, {"enc": True}, "enc")
     started: list[list[str]] = []
 
-    def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
-        @contextmanager
-        def cm() -> Iterator[str]:
-            started.append(args)
-            batch_one = args[args.index("--max-batch-size") + 1] == "1"
-            delay = 2.0 if batch_one else 10.0  # serial: under 100 rps
-            with stub_server("--model", path.stem, "--serial", "--delay-ms", str(delay)) as url:
-                yield url
+    def delay(args: list[str]) -> float:  # serial at 10 ms: under 100 rps
+        return 2.0 if args[args.index("--max-batch-size") + 1] == "1" else 10.0
 
-        return cm()
-
+    start = _args_starter(delay, started)
     cfg = TuneConfig(slo_p99_ms=40, ort_spinning=[False], max_batch_sizes=[1, 8],
                      queue_delays_ms=[0.5, 5.0], instances=[1, 2], start_rate=20, factor=2,
                      refine=0, step_duration_s=0.6, step_warmup_s=0.1, max_steps=4,
