@@ -335,8 +335,12 @@ def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
     if verdict == "inconclusive":
         # Enough gain at the median, but the rounds disagree: a drifting machine, not an answer.
         # Measure again with twice the rounds and decide on all of them, paired by round.
-        log.info("step %s: speed vs %s inconclusive (%s); measuring again", cand.name,
-                 parent.name, _pair_text(pair))
+        log.info(
+            "step %s: speed vs %s inconclusive (%s); measuring again",
+            cand.name,
+            parent.name,
+            _pair_text(pair),
+        )
         again = _compare(run, [parent, cand], rounds=2 * run.recipe.bench.rounds)
         p = pool_rounds(p, again[parent.name]["latency_ms"])
         c = pool_rounds(c, again[cand.name]["latency_ms"])

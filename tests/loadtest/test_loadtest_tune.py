@@ -221,3 +221,42 @@ def test_queue_delay_is_not_searched_when_the_best_batch_size_is_one(tmp_path: P
     assert stage3 and {s["max_queue_delay_ms"] for s in stage3} == {2.0}  # the base's delay
     assert {s["instances"] for s in stage3} == {2}  # instances=1 at delay 2 was already measured
     assert len(started) == 3  # default, batch 1, batch 1 x 2 instances
+
+
+def test_a_tie_within_the_tolerance_goes_to_the_simplest_configuration(tmp_path: Path) -> None:
+    """Every configuration serves at the same speed (2 ms a request under a 40 ms SLO), so their
+    knees differ by sampling noise only: the pick must be the simplest one measured, not the
+    luckiest, and the fastest is still reported beside it."""
+    run = _run_dir(tmp_path, {"enc": True}, "enc")
+    started: list[list[str]] = []
+    start = _args_starter(lambda args: 2.0, started)
+    cfg = TuneConfig(slo_p99_ms=40, ort_spinning=[False, True], max_batch_sizes=[1, 8],
+                     queue_delays_ms=[0.5], instances=[1, 2], start_rate=20, factor=2,
+                     refine=0, step_duration_s=0.6, step_warmup_s=0.1, max_steps=2,
+                     max_lag_ms=1000, min_requests=10, tie_tolerance=0.5)  # fmt: skip
+    doc = tune_serving(run, cfg, start_server=start)
+    configs = doc["configs"]
+    assert len(configs) >= 4 and all(r["knee_rate"] for r in configs)
+    best = doc["best"]["serve"]
+    assert best["instances"] == 1 and best["ort_spinning"] is False
+    for r in configs:  # no simpler single-instance, non-spinning configuration was passed over
+        s = r["serve"]
+        if s["instances"] == 1 and not s["ort_spinning"]:
+            assert (best["max_batch_size"], best["max_queue_delay_ms"]) <= (
+                s["max_batch_size"],
+                s["max_queue_delay_ms"],
+            )
+    assert doc["fastest"]["knee_rate"] == max(r["knee_rate"] for r in configs)
+    assert ("tie_note" in doc) == (doc["fastest"] != doc["best"])
+
+
+def test_no_tie_tolerance_picks_the_fastest_knee(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, {"enc": True}, "enc")
+    start = _args_starter(lambda args: 2.0, [])
+    cfg = TuneConfig(slo_p99_ms=40, ort_spinning=[False, True], max_batch_sizes=[8],
+                     queue_delays_ms=[2.0], instances=[1], start_rate=20, factor=2, refine=0,
+                     step_duration_s=0.6, step_warmup_s=0.1, max_steps=2, max_lag_ms=1000,
+                     min_requests=10, tie_tolerance=0)  # fmt: skip
+    doc = tune_serving(run, cfg, start_server=start)
+    assert doc["best"] == doc["fastest"] and "tie_note" not in doc
+    assert doc["best"]["knee_rate"] == max(r["knee_rate"] for r in doc["configs"])

@@ -350,6 +350,9 @@ def _register_tune(sub: Any) -> None:
     p.add_argument("--step-duration", type=float, default=3.0, help="measured seconds per step")
     p.add_argument("--step-warmup", type=float, default=1.0)
     p.add_argument("--max-configs", type=int, default=24)
+    p.add_argument("--tie-tolerance", type=float, default=0.05,
+                   help="knees within this share of the best are a tie, won by the simplest "
+                   "configuration (fewer instances, no spinning, smaller batch and delay)")  # fmt: skip
     p.add_argument("--encoding", choices=["json", "binary"], default="json")
     p.add_argument("--out", type=Path, help="default: RUN_DIR/tune-serving.json")
     p.set_defaults(func=_tune_cmd)
@@ -379,6 +382,7 @@ def _tune_cmd(args: argparse.Namespace) -> int:
             step_duration_s=args.step_duration,
             step_warmup_s=args.step_warmup,
             max_configs=args.max_configs,
+            tie_tolerance=args.tie_tolerance,
             encoding=args.encoding,
         )
     except ValidationError as err:
@@ -402,6 +406,8 @@ def _tune_cmd(args: argparse.Namespace) -> int:
             f"best: {best['variant']} {json.dumps(best['serve'])}: {best['knee_rate']:.1f} rps per machine"
             + ("" if gain is None else f" ({gain:.2f}x the default settings)")
         )
+        if "tie_note" in doc:
+            print(f"  ({doc['tie_note']})")
         print(f"serve it with: {doc['serve_command']}")
         config_path = out.with_name("serve-config.json")
         write_json(config_path, {"command": doc["serve_command"], **best})

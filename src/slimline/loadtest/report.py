@@ -184,7 +184,8 @@ def tune_html(doc: dict[str, Any]) -> str:
         (
             f"<p>Best within p99 ≤ {doc['slo_p99_ms']:g} ms: <b>{html.escape(best['variant'])}</b> "
             f"{html.escape(json.dumps(best['serve']))} at {best['knee_rate']:.1f} requests/s per machine"
-            "</p>"
+            + (f" ({html.escape(doc['tie_note'])})" if doc.get("tie_note") else "")
+            + "</p>"
         )
         if best
         else "<p><b>No configuration met the SLO.</b></p>"

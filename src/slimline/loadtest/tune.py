@@ -80,6 +80,15 @@ class TuneConfig(Config):
     step_warmup_s: float = Field(1.0, ge=0)
     dominated_ratio: float = Field(0.7, gt=0, lt=1)
     max_configs: int = Field(24, ge=1)
+    tie_tolerance: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="knees within this share of the best one are a tie, and the tie goes to "
+        "the simplest configuration: fewer instances (memory), no spinning (CPU), smaller "
+        "batches and delays (latency). Repeated sweeps of one configuration differ by more "
+        "than this on a shared machine",
+    )
     encoding: Encoding = "json"
     max_lag_ms: float = Field(10.0, gt=0)
 
@@ -151,6 +160,16 @@ class _Search:
             if r["knee_rate"] and (variant is None or r["variant"] == variant)
         ]
         return max(pool, key=lambda r: r["knee_rate"]) if pool else None
+
+    def pick(self) -> dict[str, Any] | None:
+        """The configuration to recommend: the simplest one whose knee is within
+        ``tie_tolerance`` of the best knee (a faster knee by less than that is noise)."""
+        best = self.best()
+        if best is None:
+            return None
+        floor = (1 - self.cfg.tie_tolerance) * best["knee_rate"]
+        ties = [r for r in self.results if r["knee_rate"] and r["knee_rate"] >= floor]
+        return min(ties, key=_simplicity)
 
     def seen(self, variant: str, setting: ServeSetting) -> bool:
         return any(
@@ -257,6 +276,17 @@ def tune_serving(
     return _result(run_dir, cfg, search, default)
 
 
+def _simplicity(r: dict[str, Any]) -> tuple[Any, ...]:
+    s = r["serve"]
+    return (
+        s["instances"],
+        s["ort_spinning"],
+        s["max_batch_size"],
+        s["max_queue_delay_ms"],
+        -r["knee_rate"],
+    )
+
+
 def _best_setting(search: _Search, variant: str) -> ServeSetting:
     best = search.best(variant)
     assert best is not None, "only variants in the race are refined"
@@ -273,7 +303,7 @@ def _selected(run_dir: Path) -> str | None:
 def _result(
     run_dir: Path, cfg: TuneConfig, search: _Search, default: ServeSetting
 ) -> dict[str, Any]:
-    best = search.best()
+    fastest, best = search.best(), search.pick()
     selected = _selected(run_dir)
     baseline_variant = selected if selected in search.variants else next(iter(search.variants))
     base = next(
@@ -294,6 +324,7 @@ def _result(
         "partial": bool(search.stop is not None and search.stop.is_set()),
         "default": None if base is None else _brief(base),
         "best": None if best is None else _brief(best),
+        "fastest": None if fastest is None else _brief(fastest),
     }
     if best is None:
         doc["note"] = (
@@ -302,6 +333,12 @@ def _result(
         )
     else:
         doc["serve_command"] = serve_command(run_dir, best, selected)
+        if fastest is not None and fastest is not best:
+            doc["tie_note"] = (
+                f"picked over the fastest configuration ({fastest['knee_rate']:.4g} rps, "
+                f"{best['knee_rate'] / fastest['knee_rate']:.1%} of it): within the tie "
+                f"tolerance of {cfg.tie_tolerance:.0%}, and simpler"
+            )
         if base is not None and base["knee_rate"]:
             doc["gain_vs_default"] = best["knee_rate"] / base["knee_rate"]
     return doc
