@@ -120,7 +120,9 @@ def test_stop_writes_partial_results() -> None:
         client_factory=lambda: FakeClient(latency=0.01),
         stop=stop,
     )
-    assert time.monotonic() - t < 4.0
+    # stopped, not run out: the schedule asks for 10 s (the slack is for a starved CPU; the
+    # window check below is the tight one)
+    assert time.monotonic() - t < 8.0
     assert res["partial"] is True
     # the window ends at the stop (~0.6 s in): about 60 requests at 100 rps
     assert res["duration_s"] < 1.5 and res["requests"] == pytest.approx(
