@@ -11,6 +11,7 @@ from slimline.measure.latency import (
     speed_verdict,
     summarize_latency,
 )
+from slimline.report.html import ratio_to_base
 
 
 def _lat(per_round_p50: list[float]) -> dict[str, object]:
@@ -78,3 +79,16 @@ def test_pooling_a_second_measurement_settles_an_inconclusive_one() -> None:
 def test_pairing_needs_the_same_rounds_on_both_sides() -> None:
     with pytest.raises(ValueError, match="same rounds"):
         paired_speedup(_lat([1.0, 2.0]), _lat([1.0]))
+
+
+def test_report_ratio_pairs_rounds_of_the_final_benchmark() -> None:
+    """The baseline ran in the slow mode (15 ms) in three rounds, the candidate in only one of
+    them: every round says 0.5x (one says 0.33x), the ratio of the medians says 0.33x."""
+    base = {"p50": 15.0, "per_round_p50": [10.0, 15.0, 15.0, 10.0, 15.0]}
+    cand = {"p50": 5.0, "per_round_p50": [5.0, 5.0, 7.5, 5.0, 7.5]}
+    assert ratio_to_base(cand, base) == pytest.approx(0.5)
+    assert ratio_to_base(base, base) == pytest.approx(1.0)
+    # an old manifest without per-round figures, or a mismatch: the ratio of medians
+    assert ratio_to_base({"p50": 5.0}, base) == pytest.approx(1 / 3)
+    assert ratio_to_base({"p50": 5.0, "per_round_p50": [5.0]}, base) == pytest.approx(1 / 3)
+    assert ratio_to_base(cand, None) is None

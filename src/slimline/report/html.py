@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,27 @@ def table(headers: list[str], rows: list[list[Any]], row_class: list[str] | None
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _base_p50(manifest: dict[str, Any]) -> float | None:
+def _base_latency(manifest: dict[str, Any]) -> dict[str, Any] | None:
     for c in manifest["candidates"]:
         if c["name"] == "fp32-onnx" and c.get("latency_ms"):
-            return float(c["latency_ms"]["p50"])
+            return dict(c["latency_ms"])
     return None
+
+
+def ratio_to_base(lat: dict[str, Any], base: dict[str, Any] | None) -> float | None:
+    """A candidate's latency as a multiple of FP32 ONNX Runtime's.
+
+    All candidates of a run's final benchmark are timed in the same interleaved rounds, so the
+    median of the per-round ratios is used: a round compares two measurements seconds apart,
+    while the ratio of the two medians can pair a fast-mode round of one with a slow-mode round
+    of the other on a drifting machine. Manifests without per-round figures fall back to that
+    ratio of medians."""
+    if not base or not lat.get("p50"):
+        return None
+    b, c = base.get("per_round_p50"), lat.get("per_round_p50")
+    if b and c and len(b) == len(c):
+        return float(statistics.median(ci / bi for ci, bi in zip(c, b, strict=True)))
+    return float(lat["p50"] / base["p50"])
 
 
 def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
@@ -66,14 +83,14 @@ def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         "cosine",
         "top-1 agr.",
     ]
-    base = _base_p50(manifest)
+    base = _base_latency(manifest)
     rows = []
     for c in manifest["candidates"]:
         lat = c.get("latency_ms") or {}
         tp = c.get("throughput") or {}
         fid = c.get("fidelity") or {}
         band = lat.get("band")
-        ratio = lat["p50"] / base if base and lat.get("p50") else None
+        ratio = ratio_to_base(lat, base)
         size = c.get("size_bytes")
         rows.append(
             [

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import section
-from .html import fmt, table
+from .html import fmt, ratio_to_base, table
 from .plots import figure, png_img
 
 __all__ = ["four_way", "pruning"]
@@ -182,6 +182,10 @@ def _label(c: dict[str, Any]) -> str:
     return f"optimized ({html.escape(c['name'])}{kept})"
 
 
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def _measured(c: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
     return (
         (c.get("metric") or {}).get("value"),
@@ -215,13 +219,17 @@ def four_way(m: dict[str, Any], run_dir: Path) -> str | None:
             _label(selected),
             "ONNX Runtime",
             *so,
-            f"{so[2] / fo[2]:.2f}x" if so[2] and fo[2] else "-",
+            _times(
+                ratio_to_base(
+                    selected.get("latency_ms") or {}, cands["fp32-onnx"].get("latency_ms")
+                )
+            ),
         ),
     ]
     note = (
         "<p>Latency p50 at batch 1. Ratios are against FP32 on the same runtime, measured "
         "interleaved in one session (the PyTorch pair during the prune step, the ONNX Runtime "
-        "candidates in the final benchmark).</p>"
+        "candidates in the final benchmark, as the median of the per-round ratios).</p>"
     )
     return (
         table(
