@@ -142,3 +142,30 @@ def test_check_gate_detects_slowdown_beyond_noise() -> None:
     assert regs == []
     regs, _ = compare_manifests(manifest(1.0, (0.95, 1.05), 0.89), base, max_metric_drop=0.005)
     assert [r.figure for r in regs] == ["metric"] and "drop 0.0100" in regs[0].detail
+
+
+def test_a_drifting_machine_is_named_in_the_manifest(
+    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final benchmark's baseline moved 1.6x between rounds (a VM changing speed mode): the
+    run says so, with the figures, instead of letting the ratios pass as settled."""
+    import slimline.pipeline as pipeline
+
+    real = pipeline.benchmark
+
+    def drifting(cands, sample, bench, threads, **kw):  # type: ignore[no-untyped-def]
+        figures = real(cands, sample, bench, threads, **kw)
+        if kw.get("desc") == "measure all candidates":
+            lat = figures["fp32-onnx"]["latency_ms"]
+            lat["per_round_p50"] = [
+                v * (1.6 if i == 1 else 1.0) for i, v in enumerate(lat["per_round_p50"])
+            ]
+        return figures
+
+    monkeypatch.setattr(pipeline, "benchmark", drifting)
+    out = tmp_path / "run"
+    run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
+    m = _manifest(out)
+    spread = m["measurement_conditions"]["round_spread"]
+    assert spread["fp32-onnx"] >= 1.5 and set(spread) >= {"fp32-onnx", "fp32-torch"}
+    assert any("machine speed drifted during the benchmark" in w for w in m["warnings"])

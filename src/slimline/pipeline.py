@@ -449,7 +449,9 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     with _timed("benchmark (interleaved)"):
         figures = benchmark(cands, sample, bench, run.threads, desc="measure all candidates")
     after = _load_check(run, "after")
+    drift = _drift_check(run, figures)
     run.extra["measurement_conditions"] = {
+        "round_spread": drift,
         "other_cores_before": before["other_cores"],
         "other_cores_after": after["other_cores"],
         "load_before": before["load"],
@@ -467,6 +469,27 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
         f["peak_rss_mb"] = rss["peak_rss_mb"] if rss else None
         f["rss"] = rss
     return figures
+
+
+def _drift_check(run: Run, figures: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Each candidate's slowest / fastest round; a warning when the baseline's exceeds
+    :data:`~slimline.measure.latency.DRIFT_SPREAD`, since every ratio is taken against it."""
+    from .measure.latency import DRIFT_SPREAD, round_drift
+
+    spread = {name: round_drift(f["latency_ms"]) for name, f in figures.items()}
+    base = "fp32-onnx" if "fp32-onnx" in figures else next(iter(figures))
+    worst = spread.get(base)
+    if worst is not None and worst > DRIFT_SPREAD:
+        rounds = figures[base]["latency_ms"]["per_round_p50"]
+        msg = (
+            f"machine speed drifted during the benchmark: {base} ran at {min(rounds):.2f}-"
+            f"{max(rounds):.2f} ms p50 from round to round ({worst:.2f}x); ratios are paired by "
+            f"round, but with {len(rounds)} rounds a change inside a round can still move them: "
+            "raise bench.rounds, or re-time the run (bench/remeasure_run.py)"
+        )
+        run.warnings.append(msg)
+        log.warning(msg)
+    return {k: None if v is None else round(v, 3) for k, v in spread.items()}
 
 
 def _load_check(run: Run, when: str) -> dict[str, float | None]:

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from slimline.measure.latency import (
+    DRIFT_SPREAD,
     paired_speedup,
     pool_rounds,
+    round_drift,
     speed_verdict,
     summarize_latency,
 )
@@ -92,3 +94,13 @@ def test_report_ratio_pairs_rounds_of_the_final_benchmark() -> None:
     assert ratio_to_base({"p50": 5.0}, base) == pytest.approx(1 / 3)
     assert ratio_to_base({"p50": 5.0, "per_round_p50": [5.0]}, base) == pytest.approx(1 / 3)
     assert ratio_to_base(cand, None) is None
+
+
+def test_round_drift_is_the_slowest_over_the_fastest_round() -> None:
+    # run 5's FP32 rounds: the machine switched mode between rounds
+    assert round_drift(_lat([20.81, 19.97, 18.2, 29.87, 22.97])) == pytest.approx(
+        29.87 / 18.2, rel=1e-3
+    )
+    steady = round_drift(_lat([18.0, 18.3, 17.9, 18.1, 18.2]))
+    assert steady is not None and steady < DRIFT_SPREAD < 29.87 / 18.2
+    assert round_drift(_lat([18.0])) is None  # one round cannot drift

@@ -23,6 +23,7 @@ __all__ = [
     "benchmark",
     "paired_speedup",
     "pool_rounds",
+    "round_drift",
     "speed_verdict",
     "summarize_latency",
     "tile_batch",
@@ -33,6 +34,10 @@ __all__ = [
 SIGN_TEST_ALPHA = 0.05
 
 _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+
+# One model's p50 moving by more than this between rounds of one benchmark is the machine, not
+# the model: seen on a 2-core VM whose batch-1 speed switches between modes 1.55x apart.
+DRIFT_SPREAD = 1.25
 
 
 def tile_batch(sample: Inputs, batch: int) -> Inputs:
@@ -99,6 +104,20 @@ def speed_verdict(
     if apart or pair["p_value"] <= SIGN_TEST_ALPHA:
         return "faster", pair
     return "inconclusive", pair
+
+
+def round_drift(lat: dict[str, Any]) -> float | None:
+    """How far one candidate's per-round p50 moved within a benchmark: slowest / fastest round.
+
+    The same model on the same input should repeat within a few percent; a spread beyond
+    :data:`DRIFT_SPREAD` means the machine changed speed during the benchmark. Ratios paired by
+    round survive a drift that moves both sides of a round; they do not survive a change in the
+    middle of a round, and with few rounds one or two such rounds move the median.
+    """
+    rounds = lat.get("per_round_p50") or []
+    if len(rounds) < 2 or min(rounds) <= 0:
+        return None
+    return float(max(rounds) / min(rounds))
 
 
 def pool_rounds(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
