@@ -148,7 +148,8 @@ def test_a_drifting_machine_is_named_in_the_manifest(
     tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final benchmark's baseline moved 1.6x between rounds (a VM changing speed mode): the
-    run says so, with the figures, instead of letting the ratios pass as settled."""
+    run times batch 1 again with twice the rounds, pools them, and says so in the manifest
+    instead of letting the ratios pass as settled."""
     import slimline.pipeline as pipeline
 
     real = pipeline.benchmark
@@ -166,6 +167,9 @@ def test_a_drifting_machine_is_named_in_the_manifest(
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
     m = _manifest(out)
+    # measured again with twice the rounds, pooled: three times the recipe's rounds
+    base = next(c for c in m["candidates"] if c["name"] == "fp32-onnx")["latency_ms"]
+    assert base["rounds"] == len(base["per_round_p50"]) == 3 * tiny_recipe["bench"]["rounds"]
     spread = m["measurement_conditions"]["round_spread"]
     assert spread["fp32-onnx"] >= 1.5 and set(spread) >= {"fp32-onnx", "fp32-torch"}
     assert any("machine speed drifted during the benchmark" in w for w in m["warnings"])
