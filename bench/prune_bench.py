@@ -44,7 +44,7 @@ TARGETS: dict[str, dict[str, float]] = {
 
 
 def _run(
-    example: str, threads: int | None, keep_runs: Path, cache: Path | None
+    example: str, threads: int | None, keep_runs: Path, cache: Path | None, remeasure: bool = False
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
@@ -61,7 +61,7 @@ def _run(
     out = keep_runs / f"{example}-prune-{time.strftime('%Y%m%d-%H%M%S')}"
     with tempfile.TemporaryDirectory(prefix="slimline-bench-cache-") as fresh:
         t0 = time.perf_counter()
-        run_recipe(recipe, out, cache=cache or Path(fresh))
+        run_recipe(recipe, out, cache=cache or Path(fresh), remeasure=remeasure)
         wall = time.perf_counter() - t0
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["_run_dir"] = str(out)
@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         "kept one lets a killed run resume from its last finished pruning round",
     )
     parser.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="with --cache: reuse the cached steps but judge and time them again",
+    )
+    parser.add_argument(
         "--from-run",
         type=Path,
         nargs="+",
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest["_run_dir"] = str(args.from_run[i])
             wall = float(manifest["wall_seconds"])
         else:
-            manifest, wall = _run(example, args.threads, args.runs, args.cache)
+            manifest, wall = _run(example, args.threads, args.runs, args.cache, args.remeasure)
         figures = _figures(manifest, wall)
         figures["cache"] = (
             "rendered from the run's manifest"
