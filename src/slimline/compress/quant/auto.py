@@ -169,8 +169,9 @@ class Search:
             f"{self.ratio(trial):.2f}x FP32 latency (p50 {trial.p50():.2f} ms vs "
             f"{trial.fp32['p50']:.2f} ms)"
         )
-        if not self.faster(trial):
-            return f"not measurably faster than FP32: {speed}; {trial.kernels['summary']}"
+        if not self.faster(trial):  # name every criterion it fails, not the first one
+            slow = f"not measurably faster than FP32: {speed}; {trial.kernels['summary']}"
+            return slow if trial.budget_ok else f"over budget: {trial.budget_reason}; {slow}"
         if not self.separated(trial):
             speed += " (per-round bands overlap: a busy machine)"
         if not trial.budget_ok:
