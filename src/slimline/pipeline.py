@@ -489,11 +489,14 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     return figures
 
 
+def _baseline_name(figures: dict[str, dict[str, Any]]) -> str:
+    return "fp32-onnx" if "fp32-onnx" in figures else next(iter(figures))
+
+
 def _baseline_drift(figures: dict[str, dict[str, Any]]) -> float | None:
     """The baseline's slowest / fastest round when it exceeds :data:`DRIFT_SPREAD` (every
     ratio of the run is taken against the baseline), else None."""
-    base = "fp32-onnx" if "fp32-onnx" in figures else next(iter(figures))
-    spread = round_drift(figures[base]["latency_ms"])
+    spread = round_drift(figures[_baseline_name(figures)]["latency_ms"])
     return spread if spread is not None and spread > DRIFT_SPREAD else None
 
 
@@ -503,7 +506,7 @@ def _drift_check(run: Run, figures: dict[str, dict[str, Any]]) -> dict[str, floa
     spread = {name: round_drift(f["latency_ms"]) for name, f in figures.items()}
     worst = _baseline_drift(figures)
     if worst is not None:
-        base = "fp32-onnx" if "fp32-onnx" in figures else next(iter(figures))
+        base = _baseline_name(figures)
         rounds = figures[base]["latency_ms"]["per_round_p50"]
         msg = (
             f"machine speed drifted during the benchmark: {base} ran at {min(rounds):.2f}-"
