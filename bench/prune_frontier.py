@@ -1,0 +1,182 @@
+"""The pruning frontier of finished prune runs: what INT8 on each run's pruned model would give.
+
+A prune run keeps its pruned model only within the accuracy budget; when it is rejected, INT8 is
+built on FP32 and the run says nothing about the pruned + INT8 point it was aiming at. This script
+takes the ``prune`` artifact of each run (kept or rejected), quantizes it with the INT8 setting
+the first run's quantize step chose (``--spec`` overrides), and reports per run: MACs removed,
+cosine and metric of pruned + INT8 on the task's evaluation set, and its batch-1 latency against
+FP32 ONNX Runtime as the median of per-round ratios, all candidates interleaved in one benchmark.
+
+    .venv/bin/python bench/prune_frontier.py RUN_DIR [RUN_DIR ...] --rounds 12 --repeats 2 \\
+        --out bench/out/prune-frontier.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimline.candidate import Candidate
+from slimline.compress.quant.config import QuantSpec
+from slimline.compress.quant.engine import quantize_model
+from slimline.compress.quant.prepare import prepare
+from slimline.measure.latency import benchmark, paired_speedup
+from slimline.measure.quality import evaluate, make_reference
+from slimline.measure.runners import make_runner
+from slimline.recipe import BenchConfig
+from slimline.task import load_task
+
+
+def _manifest(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "manifest.json"
+    if not path.is_file():
+        raise SystemExit(f"{run_dir} is not a finished run: no manifest.json")
+    return json.loads(path.read_text())
+
+
+def _by_name(manifest: dict[str, Any], name: str, run_dir: Path) -> dict[str, Any]:
+    for c in manifest["candidates"]:
+        if c["name"] == name and c.get("artifact"):
+            return c
+    raise SystemExit(f"{run_dir} has no ONNX candidate {name!r}: was it a prune run?")
+
+
+def _chosen_spec(manifest: dict[str, Any]) -> QuantSpec:
+    """The INT8 setting the run's quantize step chose (dynamic S8 per-channel if none)."""
+    for c in manifest["candidates"]:
+        config = (c.get("meta") or {}).get("config") if c["step"] == "quantize" else None
+        if c["name"] == "quantize" and config:
+            return QuantSpec(**config)
+    return QuantSpec(mode="dynamic")
+
+
+def frontier(
+    run_dirs: list[Path], spec: QuantSpec | None, rounds: int, runs: int, repeats: int, work: Path
+) -> dict[str, Any]:
+    first = _manifest(run_dirs[0])
+    task = load_task(first["task"]["source"])
+    threads = int(first["target"]["threads"])
+    spec = spec or _chosen_spec(first)
+    sample = task.sample_inputs(1)
+    base = Candidate(
+        name="fp32-onnx",
+        step="export",
+        parent=None,
+        onnx=run_dirs[0] / _by_name(first, "fp32-onnx", run_dirs[0])["artifact"],
+    )
+    reference = make_reference(make_runner(base, threads), task, None)
+    points: list[dict[str, Any]] = []
+    cands = [base]
+    for i, run_dir in enumerate(run_dirs):
+        m = _manifest(run_dir)
+        pruned = _by_name(m, "prune", run_dir)
+        prepared = prepare(run_dir / pruned["artifact"], work / f"run{i}", sample, threads=threads)
+        q = quantize_model(prepared.path, work / f"run{i}-int8.onnx", spec, [])
+        cand = Candidate(name=f"run{i}", step="quantize", parent="prune", onnx=q)
+        quality = evaluate(make_runner(cand, threads), task, reference, None)
+        macs = (pruned.get("meta") or {}).get("macs") or {}
+        points.append(
+            {
+                "run_dir": str(run_dir),
+                "name": cand.name,
+                "macs_removed": macs.get("removed"),
+                "pruned_accepted": pruned["accepted"],
+                "pruned_cosine": pruned["fidelity"]["cosine_mean"],
+                "int8_cosine": quality.fidelity_dict()["cosine_mean"],
+                "int8_metric": quality.metric,
+            }
+        )
+        cands.append(cand)
+    bench = BenchConfig(rounds=rounds, runs_per_round=runs, warmup=10)
+    reps = []
+    for r in range(repeats):
+        res = benchmark(cands, sample, bench, threads, throughput=False, desc=f"repeat {r + 1}")
+        reps.append(
+            {p["name"]: paired_speedup(res["fp32-onnx"]["latency_ms"], res[p["name"]]["latency_ms"])
+             for p in points}
+        )  # fmt: skip
+    for p in points:
+        ratios = [rep[p["name"]]["ratio"] for rep in reps]
+        p["int8_ratio_per_repeat"] = ratios
+        p["int8_ratio"] = float(np.median(ratios))
+    return {
+        "task": first["task"]["source"],
+        "metric_name": first["task"]["metric_name"],
+        "fp32_metric": first["reference_metric"],
+        "spec": spec.label,
+        "threads": threads,
+        "rounds": rounds,
+        "runs": runs,
+        "repeats": repeats,
+        "points": points,
+    }
+
+
+def _markdown(doc: dict[str, Any], cmd: str) -> str:
+    metric = doc["metric_name"]
+    lines = [
+        f"Pruning frontier of `{doc['task']}` ({doc['spec']} on each run's pruned model; "
+        f"batch 1, {doc['threads']} threads, {doc['repeats']} repeats x {doc['rounds']} "
+        f"interleaved rounds x {doc['runs']} runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        "",
+        f"| run | MACs removed | pruned cosine (step) | pruned + INT8 cosine | {metric} (FP32 "
+        f"{doc['fp32_metric']:.4f}) | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in doc["points"]:
+        macs = f"{p['macs_removed']:.1%}" if p["macs_removed"] is not None else "-"
+        state = "kept" if p["pruned_accepted"] else "rejected"
+        reps = ", ".join(f"{r:.3f}" for r in p["int8_ratio_per_repeat"])
+        lines.append(
+            f"| `{Path(p['run_dir']).name}` | {macs} | {p['pruned_cosine']:.4f} ({state}) | "
+            f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | **{p['int8_ratio']:.3f}x** ({reps}) |"
+        )
+    lines += ["", "Reproduce:", "", f"    {cmd}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", type=Path, nargs="+", help="finished prune runs, one task")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--runs", type=int, default=40, help="runs per candidate per round")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--spec",
+        type=json.loads,
+        default=None,
+        help='INT8 setting as JSON, e.g. \'{"mode": "dynamic", "per_channel": true}\' '
+        "(default: what the first run's quantize step chose)",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
+    args = parser.parse_args(argv)
+    spec = QuantSpec(**args.spec) if args.spec else None
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = frontier(args.run_dirs, spec, args.rounds, args.runs, args.repeats, Path(tmp))
+    cmd = ".venv/bin/python bench/prune_frontier.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    text = _markdown(doc, cmd)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for path, body in (
+            (args.out, text),
+            (args.out.with_suffix(".json"), json.dumps(doc, indent=1)),
+        ):
+            tmp_path = path.with_name(f".{path.name}.tmp")
+            tmp_path.write_text(body)
+            os.replace(tmp_path, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
