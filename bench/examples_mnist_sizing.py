@@ -73,7 +73,7 @@ def main() -> None:
         torch.onnx.export(
             net,
             (torch.from_numpy(x),),
-            buf,
+            buf,  # type: ignore[arg-type]  # a file-like object is accepted at run time
             dynamo=False,
             opset_version=17,
             input_names=["x"],

@@ -76,8 +76,9 @@ def _figures(m: dict[str, Any], wall: float) -> dict[str, Any]:
     base_rounds = cands["fp32-onnx"]["latency_ms"].get("per_round_p50")
 
     def ancestors(c: dict[str, Any]) -> list[str]:
-        out, parent = [], c.get("parent")
-        while parent in cands:
+        out: list[str] = []
+        parent = c.get("parent")
+        while isinstance(parent, str) and parent in cands:
             out.append(parent)
             parent = cands[parent].get("parent")
         return out

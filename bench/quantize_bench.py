@@ -89,6 +89,7 @@ def resnet18() -> Any:
     model = ResNet18()
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 1.5)
             m.weight.data.uniform_(0.5, 1.5)
@@ -141,7 +142,7 @@ def ort_static_defaults(task: Task, src: Path, dst: Path, samples: int) -> dict[
 
     with RssSampler() as rss, quiet():
         base, t0 = rss.peak, time.perf_counter()
-        quantize_static(str(src), str(dst), _Reader(task, samples))  # type: ignore[arg-type]
+        quantize_static(str(src), str(dst), _Reader(task, samples))
         wall = time.perf_counter() - t0
     return {"calibration_s": wall, "peak_rss_mb": (rss.peak - base) / 2**20}
 

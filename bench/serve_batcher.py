@@ -103,7 +103,7 @@ def main() -> None:
     rej = asyncio.run(rejection(2000))
     late, never_ran = asyncio.run(lateness(200))
     split = asyncio.run(splitting(10_000))
-    doc = {"reject_ms": {"p50": ms(rej, 50), "p99": ms(rej, 99), "max": ms(rej, 100)},
+    doc: dict[str, Any] = {"reject_ms": {"p50": ms(rej, 50), "p99": ms(rej, 99), "max": ms(rej, 100)},
            "late_ms": {"p50": ms(late, 50), "p99": ms(late, 99), "max": ms(late, 100),
                        "min": ms(late, 0)},
            "expired_never_ran": never_ran, "split": split}  # fmt: skip

@@ -58,7 +58,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     total = sum(counts.values())
     fivexx = sum(v for (_, code), v in counts.items() if code >= 500)
-    by_code = collections.Counter()
+    by_code: collections.Counter[int] = collections.Counter()
     for (_, code), v in counts.items():
         by_code[code] += v
     save_json("fuzz", {"total": total, "5xx": fivexx, "ready_after": ready, "alive": alive,

@@ -46,7 +46,7 @@ def measure(name: str, delay_ms: float, rounds: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {"ort": [], "binary": [], "json": []}
     with run_in_subprocess([path], flags) as (url, _):
         u = urlsplit(url)
-        conn = http.client.HTTPConnection(u.hostname, u.port)
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port)
         route = f"/v2/models/{name}/infer"
         for i in range(rounds + 20):
             j = i % len(binary)

@@ -59,7 +59,7 @@ def plain_ray_app(path: Path, name: str) -> Any:
                     "outputs": [{"name": self.out, "datatype": "FP32",
                                  "shape": [1, len(row)], "data": row}]}  # fmt: skip
 
-    return PlainOrt.bind()
+    return PlainOrt.bind()  # type: ignore[attr-defined]  # @serve.deployment adds bind
 
 
 _NP = {"FP32": np.float32, "INT64": np.int64}
