@@ -10,11 +10,12 @@ and the best weights seen are the ones kept.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -27,6 +28,7 @@ __all__ = [
     "FeatureTap",
     "FinetuneConfig",
     "FinetuneResult",
+    "TrainCheckpoint",
     "accumulate_gradients",
     "distill",
     "distill_loss",
@@ -72,6 +74,16 @@ class FinetuneConfig(Config):
     progress: bool = True
 
 
+class TrainCheckpoint(Protocol):
+    """Where :func:`distill` keeps its training state, so that a killed run resumes mid-way.
+
+    ``load`` returns what the last ``save`` stored (or ``None``); ``save`` must be atomic."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class FinetuneResult:
     steps: int
@@ -81,6 +93,7 @@ class FinetuneResult:
     best_step: int
     stopped_early: bool
     history: list[dict[str, float]] = field(default_factory=list)
+    resumed_from_step: int = 0  # > 0: a killed run's checkpoint was continued from this step
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -298,11 +311,15 @@ def distill(
     task: Task | None = None,
     desc: str = "fine-tune",
     on_step: Callable[[int, float], None] | None = None,
+    checkpoint: TrainCheckpoint | None = None,
 ) -> FinetuneResult:
     """Fine-tune ``student`` in place to match ``teacher``; returns what happened.
 
     ``batches()`` yields ``(inputs, labels or None)``; labels add the task loss (``task.loss`` if
     defined, cross-entropy for integer labels on logits). The best held-out weights are kept.
+    With a ``checkpoint``, the whole training state (weights, optimizer, schedule, best weights,
+    early-stop count, RNG, data position) is saved at every held-out evaluation, and a run that
+    finds one continues from it instead of starting over.
     """
     import torch
     from tqdm.auto import tqdm
@@ -320,6 +337,22 @@ def distill(
         opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
     )
     best, best_state = before, copy.deepcopy(student.state_dict())
+    bad, running, start = 0, 0.0, 0
+    saved = checkpoint.load() if checkpoint is not None else None
+    if saved is not None:
+        student.load_state_dict(saved["student"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        best, best_state, bad, running = (
+            saved["best"],
+            saved["best_state"],
+            saved["bad"],
+            saved["running"],
+        )
+        start = int(saved["step"])
+        result.val_before, result.best_step = saved["val_before"], saved["best_step"]
+        result.steps, result.history, result.resumed_from_step = start, saved["history"], start
     task_loss = task.loss if task is not None else None
     taps = (
         (FeatureTap(student, cfg.features), FeatureTap(teacher, cfg.features))
@@ -327,12 +360,13 @@ def distill(
         else None
     )
     try:
-        bad = 0
         student.train()
-        bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, leave=False)
-        stream = _batch_stream(batches, skip)
-        running = 0.0
-        for step_i, (inputs, labels) in enumerate(stream, start=1):
+        bar = tqdm(total=cfg.steps, initial=start, desc=desc, disable=not cfg.progress, leave=False)
+        # a resumed run continues where the data stream was, not at its start
+        stream = itertools.islice(_batch_stream(batches, skip), start, None)
+        for step_i, (inputs, labels) in enumerate(stream, start=start + 1):
+            if step_i > cfg.steps:
+                break
             x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
             if taps is not None:  # drop what held-out evaluations collected
                 taps[0].take(), taps[1].take()
@@ -371,6 +405,23 @@ def distill(
                     if bad >= cfg.patience:
                         result.stopped_early = step_i < cfg.steps
                         break
+                if checkpoint is not None and step_i < cfg.steps:
+                    checkpoint.save(
+                        {
+                            "step": step_i,
+                            "student": student.state_dict(),
+                            "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(),
+                            "rng": torch.get_rng_state(),
+                            "best": best,
+                            "best_state": best_state,
+                            "best_step": result.best_step,
+                            "bad": bad,
+                            "running": running,
+                            "val_before": result.val_before,
+                            "history": result.history,
+                        }
+                    )
             if step_i >= cfg.steps:
                 break
         bar.close()

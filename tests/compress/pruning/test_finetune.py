@@ -203,3 +203,55 @@ def test_feature_distillation_names_a_bad_module_pattern_or_shape() -> None:
     with pytest.raises(RecipeError, match=r"module a outputs \(32, 24\)"):
         distill(narrow, teacher, _batches(), FinetuneConfig(steps=2, features="a",
                 progress=False), output_kind="logits")  # fmt: skip
+
+
+class _FileCheckpoint:
+    """A training checkpoint kept the way the prune step keeps it (torch.save, loaded with
+    weights_only=True); ``die_after`` saves raises KeyboardInterrupt, as a killed run."""
+
+    def __init__(self, path: Any, die_after: int | None = None) -> None:
+        self.path, self.die_after, self.saves = path, die_after, 0
+
+    def load(self) -> dict[str, Any] | None:
+        return torch.load(self.path, weights_only=True) if self.path.is_file() else None
+
+    def save(self, state: dict[str, Any]) -> None:
+        torch.save(state, self.path)
+        self.saves += 1
+        if self.saves == self.die_after:
+            raise KeyboardInterrupt
+
+
+def test_a_killed_fine_tune_continues_from_its_checkpoint_to_the_same_weights(
+    tmp_path: Any,
+) -> None:
+    """Killed after the step-20 checkpoint, a second call trains steps 21-40 only and ends with
+    the weights an uninterrupted run reaches: optimizer, schedule and data position restored."""
+    cfg = CFG.model_copy(update={"steps": 40, "eval_every": 10, "patience": 100})
+    teacher, start = _pair()
+    whole = copy.deepcopy(start)
+    torch.manual_seed(1)
+    full = distill(whole, teacher, _batches(), cfg, output_kind="logits")
+
+    ckpt = _FileCheckpoint(tmp_path / "ft.pt", die_after=2)
+    torch.manual_seed(1)
+    with pytest.raises(KeyboardInterrupt):
+        distill(
+            copy.deepcopy(start), teacher, _batches(), cfg, output_kind="logits", checkpoint=ckpt
+        )
+    again = copy.deepcopy(start)
+    seen: list[int] = []
+    res = distill(
+        again,
+        teacher,
+        _batches(),
+        cfg,
+        output_kind="logits",
+        checkpoint=_FileCheckpoint(tmp_path / "ft.pt"),
+        on_step=lambda i, _: seen.append(i),
+    )
+    assert res.resumed_from_step == 20 and seen == list(range(21, 41)) and res.steps == 40
+    assert [h["step"] for h in res.history] == [h["step"] for h in full.history]
+    assert res.best_step == full.best_step and res.val_after == pytest.approx(full.val_after)
+    for p, q in zip(again.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

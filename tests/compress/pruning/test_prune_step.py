@@ -135,6 +135,54 @@ def test_a_killed_run_resumes_from_the_last_finished_round(
     assert cand.meta["macs"]["removed"] >= 0.4
 
 
+def test_a_run_killed_while_recovering_continues_inside_the_round(
+    digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after round 2 pruned and saved its first recovery checkpoint: the next run takes
+    round 2's shape from the checkpoint, continues its recovery at step 15 of 30 (round 2 is
+    neither pruned again nor restarted) and finishes round 3."""
+    real = prune_mod.distill
+
+    class Dies:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def load(self) -> Any:
+            return self.inner.load()
+
+        def save(self, state: dict[str, Any]) -> None:
+            self.inner.save(state)
+            raise KeyboardInterrupt
+
+    def dies_recovering_round_2(*a: Any, **kw: Any) -> Any:
+        if kw["desc"] == "prune round 2/3":
+            kw["checkpoint"] = Dies(kw["checkpoint"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prune_mod, "distill", dies_recovering_round_2)
+    cfg = _cfg(rounds=3, target=0.4)
+    with pytest.raises(KeyboardInterrupt):
+        prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
+    pruned_again: list[str] = []
+    real_prune_to = prune_mod.PruneGraph.prune_to
+
+    def prune_to(self: Any, name: str, keep: int, importance: Any) -> int:
+        pruned_again.append(name)
+        return real_prune_to(self, name, keep, importance)
+
+    monkeypatch.setattr(prune_mod, "distill", real)
+    monkeypatch.setattr(prune_mod.PruneGraph, "prune_to", prune_to)
+    cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
+    rounds = cand.meta["rounds"]
+    assert cand.meta["resumed_after_round"] == 1 and [r["round"] for r in rounds] == [1, 2, 3]
+    assert rounds[1]["finetune"]["resumed_from_step"] == 15
+    assert rounds[1]["finetune"]["steps"] == 30 and rounds[1]["removed_units"]
+    assert rounds[2]["finetune"]["resumed_from_step"] == 0
+    # only round 3 pruned in the second run
+    assert pruned_again and set(pruned_again) <= set(rounds[2]["removed_units"])
+    assert cand.meta["macs"]["removed"] >= 0.4
+
+
 def test_unreachable_target_is_a_recipe_error(digits: Task, tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"unreachable: .* at most \d+\.\d% can be removed"):
         prune_step(_cfg(target=0.9), _fp32(digits), make_context(digits, tmp_path))

@@ -2,8 +2,10 @@
 
 The step returns the pruned dense model and its verified ONNX export; the pipeline accepts it only
 if it is within budget and measurably faster. Progress is checkpointed after every round under
-``cache_dir("prune", <hash of input model + config>)`` (atomic writes), so a killed run resumes
-from the last finished round; the sensitivity table and the plan are kept there too.
+``cache_dir("prune", <hash of input model + config>)`` (atomic writes), and inside a round at
+every held-out evaluation of its recovery, so a killed run resumes where it was: inside the round
+being recovered, or after the last finished round; the sensitivity table and the plan are kept
+there too.
 """
 
 from __future__ import annotations
@@ -149,10 +151,27 @@ class RoundState:
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)
         atomic_write_bytes(self.root / f"round-{i}.pt", buf.getvalue())
-        self.save(rounds_done=i, history=history, records=records)
-        for old in self.root.glob("round-*.pt"):
+        self.save(rounds_done=i, history=history, records=records, partial=None)
+        for old in [*self.root.glob("round-*.pt"), *self.root.glob("partial-*.pt")]:
             if old.name != f"round-{i}.pt":
                 old.unlink(missing_ok=True)
+
+    def start_round(
+        self, i: int, history: list[list[Any]], removed: dict[str, int], imp: str
+    ) -> None:
+        """Round ``i`` has pruned and starts recovering: what it removed, for a resume mid-way."""
+        (self.root / f"partial-{i}.pt").unlink(missing_ok=True)
+        self.save(partial={"round": i, "history": history, "removed": removed, "importance": imp})
+
+    def partial(self) -> dict[str, Any] | None:
+        """The unfinished round after the last finished one, if its recovery saved a checkpoint."""
+        part = self.data.get("partial")
+        if not part or part["round"] != self.rounds_done + 1:
+            return None
+        return part if (self.root / f"partial-{part['round']}.pt").is_file() else None
+
+    def recovery(self, i: int) -> _RecoveryCheckpoint:
+        return _RecoveryCheckpoint(self.root / f"partial-{i}.pt")
 
     def load_round(self) -> Any:
         import torch
@@ -161,6 +180,29 @@ class RoundState:
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _RecoveryCheckpoint:
+    """A round's recovery training state in one file (:class:`~..finetune.TrainCheckpoint`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.path.is_file():
+            return None
+        state: dict[str, Any] = torch.load(self.path, weights_only=True)
+        log.info("prune: continuing recovery at step %d from %s", state["step"], self.path)
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(self.path, buf.getvalue())
 
 
 def _state_dir(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
@@ -346,15 +388,21 @@ def _one_round(
     source: str,
     plan: Plan,
     i: int,
+    state: RoundState,
+    partial: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
-    targets = _round_targets(cfg, graph, plan, i)
-    todo = {n: k for n, k in targets.items() if graph.units(n) > k}
     record: dict[str, Any] = {"round": i}
-    if not todo:
-        return {**record, "skipped": "rounding leaves nothing to remove at this round's ratios"}
-    importance, imp_name = _importance(cfg, ctx, graph.model, teacher, data, source)
-    removed = {n: graph.prune_to(n, k, importance) for n, k in todo.items()}
+    if partial is not None:  # pruned before a kill; the model already has this round's shape
+        removed, imp_name = partial["removed"], partial["importance"]
+    else:
+        targets = _round_targets(cfg, graph, plan, i)
+        todo = {n: k for n, k in targets.items() if graph.units(n) > k}
+        if not todo:
+            return {**record, "skipped": "rounding leaves nothing to remove at this round's ratios"}
+        importance, imp_name = _importance(cfg, ctx, graph.model, teacher, data, source)
+        removed = {n: graph.prune_to(n, k, importance) for n, k in todo.items()}
+        state.start_round(i, graph.history(), removed, imp_name)
     graph.model.zero_grad(set_to_none=True)
     update: dict[str, Any] = {"progress": cfg.progress and cfg.finetune.progress}
     if i == cfg.rounds and cfg.final_steps is not None:
@@ -368,6 +416,7 @@ def _one_round(
         output_kind=ctx.task.output_kind,
         task=ctx.task,
         desc=f"prune round {i}/{cfg.rounds}",
+        checkpoint=state.recovery(i),
     )
     quality = ctx.evaluate(Candidate(f"prune-round-{i}", "prune", None, module=graph.model.eval()))
     macs, params = count_macs_params(graph.model, graph.example)
@@ -395,10 +444,18 @@ def _run_rounds(
     state: RoundState,
 ) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = list(state.data.get("records", []))
-    if state.rounds_done:
+    partial = state.partial()
+    if partial is not None:  # killed while recovering: take the round's shape, then its weights
+        graph.dg.load_pruning_history([list(h) for h in partial["history"]])
+        sync_attention(graph.model)
+        log.info("prune: resuming inside round %d from %s", partial["round"], state.root)
+    elif state.rounds_done:
         _resume(graph, state)
-    for i in range(state.rounds_done + 1, cfg.rounds + 1):
-        rec = _one_round(cfg, ctx, graph, teacher, data, source, plan, i)
+    first = state.rounds_done + 1
+    for i in range(first, cfg.rounds + 1):
+        rec = _one_round(
+            cfg, ctx, graph, teacher, data, source, plan, i, state, partial if i == first else None
+        )
         records.append(rec)
         state.save_round(i, graph.model, graph.history(), records)
         if "metric" in rec:
