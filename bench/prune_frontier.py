@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from slimline.measure.latency import benchmark, paired_speedup
 from slimline.measure.quality import evaluate, make_reference
 from slimline.measure.runners import make_runner
 from slimline.recipe import BenchConfig
+from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 
@@ -167,14 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     text = _markdown(doc, cmd)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        for path, body in (
-            (args.out, text),
-            (args.out.with_suffix(".json"), json.dumps(doc, indent=1)),
-        ):
-            tmp_path = path.with_name(f".{path.name}.tmp")
-            tmp_path.write_text(body)
-            os.replace(tmp_path, path)
+        atomic_write_text(args.out, text)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
     return 0
 
 

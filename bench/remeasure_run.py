@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pydantic import ValidationError
 from slimline.candidate import Candidate
 from slimline.measure.latency import benchmark, paired_speedup
 from slimline.recipe import BenchConfig
+from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 
@@ -155,14 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     text = _markdown(doc, args.candidates, cmd)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        for path, body in (
-            (args.out, text),
-            (args.out.with_suffix(".json"), json.dumps(doc, indent=1)),
-        ):
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(body)
-            os.replace(tmp, path)
+        atomic_write_text(args.out, text)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
     return 0
 
 
