@@ -51,11 +51,9 @@ def _by_name(manifest: dict[str, Any], name: str, run_dir: Path) -> dict[str, An
 
 def _chosen_spec(manifest: dict[str, Any]) -> QuantSpec:
     """The INT8 setting the run's quantize step chose (dynamic S8 per-channel if none)."""
-    for c in manifest["candidates"]:
-        config = (c.get("meta") or {}).get("config") if c["step"] == "quantize" else None
-        if c["name"] == "quantize" and config:
-            return QuantSpec(**config)
-    return QuantSpec(mode="dynamic")
+    quant: dict[str, Any] = next((c for c in manifest["candidates"] if c["name"] == "quantize"), {})
+    config = (quant.get("meta") or {}).get("config")
+    return QuantSpec(**config) if config else QuantSpec(mode="dynamic")
 
 
 def frontier(

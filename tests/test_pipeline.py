@@ -158,7 +158,7 @@ def test_a_drifting_machine_is_named_in_the_manifest(
         figures = real(cands, sample, bench, threads, **kw)
         if kw.get("desc") == "measure all candidates":
             lat = figures["fp32-onnx"]["latency_ms"]
-            # round 1 at 1.6x the slowest of the others: the spread is 1.6x whatever the
+            # round 1 at 1.6x the slowest round: the spread is at least 1.6x whatever the
             # real rounds measured (scaling round 1 by 1.6 could land under the threshold
             # when round 1 happened to be the fastest)
             rounds = lat["per_round_p50"]

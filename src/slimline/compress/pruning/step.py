@@ -146,11 +146,7 @@ class RoundState:
     def save_round(
         self, i: int, model: Any, history: list[list[Any]], records: list[dict[str, Any]]
     ) -> None:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(model.state_dict(), buf)
-        atomic_write_bytes(self.root / f"round-{i}.pt", buf.getvalue())
+        _save_torch(self.root / f"round-{i}.pt", model.state_dict())
         self.save(rounds_done=i, history=history, records=records, partial=None)
         for old in [*self.root.glob("round-*.pt"), *self.root.glob("partial-*.pt")]:
             if old.name != f"round-{i}.pt":
@@ -198,11 +194,16 @@ class _RecoveryCheckpoint:
         return state
 
     def save(self, state: dict[str, Any]) -> None:
-        import torch
+        _save_torch(self.path, state)
 
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(self.path, buf.getvalue())
+
+def _save_torch(path: Path, obj: Any) -> None:
+    """``torch.save`` of tensors and plain data, atomically (read back with weights_only)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _state_dir(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
@@ -372,9 +373,14 @@ def _round_targets(cfg: PruneConfig, graph: PruneGraph, plan: Plan, i: int) -> d
     }
 
 
-def _resume(graph: PruneGraph, state: RoundState) -> None:
-    graph.dg.load_pruning_history([list(h) for h in state.data["history"]])
+def _take_shape(graph: PruneGraph, history: list[list[Any]]) -> None:
+    """Replay a saved pruning history on the unpruned model: the layer shapes it had."""
+    graph.dg.load_pruning_history([list(h) for h in history])
     sync_attention(graph.model)
+
+
+def _resume(graph: PruneGraph, state: RoundState) -> None:
+    _take_shape(graph, state.data["history"])
     graph.model.load_state_dict(state.load_round())
     log.info("prune: resuming after round %d from %s", state.rounds_done, state.root)
 
@@ -446,8 +452,7 @@ def _run_rounds(
     records: list[dict[str, Any]] = list(state.data.get("records", []))
     partial = state.partial()
     if partial is not None:  # killed while recovering: take the round's shape, then its weights
-        graph.dg.load_pruning_history([list(h) for h in partial["history"]])
-        sync_attention(graph.model)
+        _take_shape(graph, partial["history"])
         log.info("prune: resuming inside round %d from %s", partial["round"], state.root)
     elif state.rounds_done:
         _resume(graph, state)
