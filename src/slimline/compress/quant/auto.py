@@ -31,28 +31,22 @@ def candidates(
     cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
 ) -> list[tuple[QuantSpec, PrecisionPlan]]:
     """The specs of :func:`candidate_specs` with the resolved plan. When the first/last rule was
-    not set explicitly, the candidates that matter most for speed are also tried with those
-    layers in INT8 (the budget decides): the dynamic ones on MatMul-heavy graphs (on an encoder
-    the "first and last layers" are an attention block and an FFN projection, a tenth of the
+    not set explicitly, the candidate that matters most for speed is also tried with those layers
+    in INT8 (the budget decides): the dynamic one on MatMul-heavy graphs (on an encoder the
+    "first and last layers" are an attention block and an FFN projection, a tenth of the
     work), the static MinMax one otherwise (a CNN's stem convolution is its largest layer)."""
     out = [(spec, plan) for spec in candidate_specs(cfg, prepared)]
     edges = [n for n, r in plan.rule.items() if r == EDGES_FLOAT]
     if edges and "keep_first_last_float" not in cfg.model_fields_set:
-        if prepared.matmul_heavy:
-            fast = [sp for sp, _ in out if sp.mode == "dynamic"]
-        else:
-            fast = [next(sp for sp, _ in out if sp.mode == "static")]
-        out += [(spec, plan.with_int8(edges, EDGES_INT8)) for spec in fast]
+        fast = "dynamic" if prepared.matmul_heavy else "static"
+        spec = next(sp for sp, _ in out if sp.mode == fast)
+        out.append((spec, plan.with_int8(edges, EDGES_INT8)))
     return out
 
 
 def candidate_specs(cfg: QuantizeConfig, prepared: Prepared) -> list[QuantSpec]:
-    """Static U8S8 per-channel with MinMax and with Percentile; dynamic per-channel and
-    per-tensor where the graph is MatMul-heavy. Types and symmetry follow the config.
-
-    Per-tensor dynamic weights are the cheaper kernel (one scale per weight matrix, so the
-    integer GEMM's output needs no per-column rescale). It costs fidelity on layers with outlier
-    channels, so it is one more candidate, not the default: the budget and the timing decide."""
+    """Static U8S8 per-channel with MinMax and with Percentile; dynamic per-channel where the
+    graph is MatMul-heavy. Types and symmetry follow the config."""
     base = QuantSpec(
         mode="static",
         per_channel=True,
@@ -64,8 +58,7 @@ def candidate_specs(cfg: QuantizeConfig, prepared: Prepared) -> list[QuantSpec]:
     )
     specs = [replace(base, calibration="minmax"), replace(base, calibration="percentile")]
     if prepared.matmul_heavy:
-        dynamic = replace(base, mode="dynamic", calibration="minmax")
-        specs += [dynamic, replace(dynamic, per_channel=False)]
+        specs.append(replace(base, mode="dynamic", calibration="minmax"))
     return specs
 
 
