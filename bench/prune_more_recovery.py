@@ -1,0 +1,153 @@
+"""Does more recovery pay? Continue distilling a finished prune step's model and measure again.
+
+A prune run's last round recovers for ``final_steps`` steps. Whether a longer recovery would lift
+the pruned model over the fidelity budget is a question of hours on 2 cores; this script answers it
+from where the run stopped instead of from scratch. It rebuilds the pruned model from a cached
+prune step (``pruned.pt`` and ``prune_history.json`` in the step-cache entry,
+``torch.load(weights_only=True)``), distils it ``--steps`` more steps with the recipe's own
+fine-tuning settings (learning rate ``--lr``, a fresh cosine schedule, early stopping off), and
+reports the task metric and the mean cosine to FP32 ONNX Runtime's outputs before and after, and
+after INT8 (dynamic S8 per-channel, every layer INT8: the setting the minilm-prune runs chose).
+
+    .venv/bin/python bench/prune_more_recovery.py STEP_CACHE_ENTRY --fp32-run RUN_DIR \\
+        --recipe minilm-prune --steps 1000 --lr 5e-5 --out bench/out/prune-more-recovery.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from slimline.candidate import Candidate
+from slimline.commands import resolve_recipe
+from slimline.compress.finetune import distill, resolve_data
+from slimline.compress.pruning.step import PruneConfig, restore_pruned
+from slimline.compress.quant.config import QuantSpec
+from slimline.compress.quant.engine import quantize_model
+from slimline.compress.quant.prepare import prepare
+from slimline.export import export_module
+from slimline.measure.quality import Reference, evaluate, make_reference
+from slimline.measure.runners import make_runner
+from slimline.record import atomic_write_text
+from slimline.task import Task, load_task
+
+
+def _quality(cand: Candidate, task: Task, ref: Reference, threads: int) -> dict[str, float]:
+    q = evaluate(make_runner(cand, threads), task, ref, None)
+    return {"metric": q.metric, "cosine": q.cosine_mean}
+
+
+def more_recovery(
+    entry: Path, fp32_run: Path, recipe: str, steps: int, lr: float, threads: int, work: Path
+) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    manifest = json.loads((fp32_run / "manifest.json").read_text())
+    task = load_task(manifest["task"]["source"])
+    fp32 = next(c for c in manifest["candidates"] if c["name"] == "fp32-onnx")
+    ref = make_reference(
+        make_runner(
+            Candidate("fp32-onnx", "export", None, onnx=fp32_run / fp32["artifact"]), threads
+        ),
+        task,
+        None,
+    )
+    cfg = next(s for s in resolve_recipe(recipe).steps if isinstance(s, PruneConfig))
+    ft = cfg.finetune.model_copy(
+        update={"steps": steps, "lr": lr, "patience": steps + 1, "eval_every": 100}
+    )
+    meta = {"weights": "pruned.pt", "history_file": "prune_history.json"}
+    student = restore_pruned(entry, meta, task)
+    teacher = task.model().eval()  # type: ignore[misc]
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    before = _quality(Candidate("before", "prune", None, module=student.eval()), task, ref, threads)
+    data, source, _ = resolve_data(task, ft)
+    start = time.perf_counter()
+    result = distill(
+        student.train(), teacher, data, ft, output_kind=task.output_kind, task=task, desc="recovery"
+    )
+    seconds = time.perf_counter() - start
+    after = _quality(Candidate("after", "prune", None, module=student.eval()), task, ref, threads)
+    sample = task.sample_inputs(1)
+    onnx_path = export_module(student.eval(), sample, work / "pruned.onnx", 17)
+    prepared = prepare(onnx_path, work / "prep", sample, threads=threads)
+    spec = QuantSpec(mode="dynamic", per_channel=True)
+    q = quantize_model(prepared.path, work / "int8.onnx", spec, [])
+    int8 = _quality(Candidate("int8", "quantize", None, onnx=q), task, ref, threads)
+    history = [h for h in result.to_dict().get("history", []) if "val_loss" in h]
+    return {
+        "entry": str(entry),
+        "task": manifest["task"]["source"],
+        "metric_name": manifest["task"]["metric_name"],
+        "fp32_metric": ref.metric,
+        "steps": steps,
+        "lr": lr,
+        "data": source,
+        "seconds": round(seconds, 1),
+        "before": before,
+        "after": after,
+        "int8": {**int8, "spec": spec.label + ", every layer INT8"},
+        "val_loss": history,
+    }
+
+
+def _markdown(doc: dict[str, Any], cmd: str) -> str:
+    m = doc["metric_name"]
+    rows = [
+        ("pruned, as the run left it", doc["before"]),
+        (f"pruned, after {doc['steps']} more steps", doc["after"]),
+        (f"pruned + INT8 ({doc['int8']['spec']})", doc["int8"]),
+    ]
+    lines = [
+        f"More recovery for `{Path(doc['entry']).name}` ({doc['task']}): {doc['steps']} steps at "
+        f"lr {doc['lr']:g} on {doc['data']} data, {doc['seconds']:.0f} s; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        "",
+        f"| model | cosine to FP32 | {m} (FP32 {doc['fp32_metric']:.4f}) |",
+        "|---|---|---|",
+        *[f"| {name} | {q['cosine']:.4f} | {q['metric']:.4f} |" for name, q in rows],
+        "",
+        "Reproduce:",
+        "",
+        f"    {cmd}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("entry", type=Path, help="step-cache entry of a prune step (pruned.pt)")
+    parser.add_argument("--fp32-run", type=Path, required=True, help="a run dir with fp32-onnx")
+    parser.add_argument("--recipe", default="minilm-prune", help="built-in recipe name")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
+    args = parser.parse_args(argv)
+    if not (args.entry / "pruned.pt").is_file():
+        raise SystemExit(f"{args.entry} has no pruned.pt: pass a prune step's step-cache entry")
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = more_recovery(
+            args.entry, args.fp32_run, args.recipe, args.steps, args.lr, args.threads, Path(tmp)
+        )
+    cmd = ".venv/bin/python bench/prune_more_recovery.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    text = _markdown(doc, cmd)
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""What a pruning plan would cost in latency, before an hour of recovery is spent on it.
+
+Latency does not depend on the weights, only on the layer shapes. This script takes prune plans
+(per-group ratios, as a run's manifest records them under ``plan`` and as a recipe's ``prune.plan``
+takes them), prunes the task's model to each plan by L2 magnitude with no recovery, exports it,
+quantizes it (dynamic S8 per-channel, every layer INT8, the setting the minilm-prune runs chose)
+and times every plan interleaved against FP32 ONNX Runtime at batch 1: median per-round ratio per
+repeat. It also reports each plan's MACs removed and the loss the run's sensitivity map predicts
+for it (``--sweep``), so latency, MACs and predicted loss can be compared per plan.
+
+    .venv/bin/python bench/prune_plan_latency.py --task minilm \\
+        --plan shipped=@RUN_DIR --plan heads='{"encoder.encoder.layer.0.attention.self": 0.5}' \\
+        --sweep ~/.cache/slimline/prune/sweeps/HASH.json --rounds 12 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimline.candidate import Candidate
+from slimline.compress.finetune import to_tensors
+from slimline.compress.pruning.graph import CostModel, PruneGraph
+from slimline.compress.pruning.planner import plan_from_ratios
+from slimline.compress.pruning.sensitivity import table_losses
+from slimline.compress.quant.config import QuantSpec
+from slimline.compress.quant.engine import quantize_model
+from slimline.compress.quant.prepare import prepare
+from slimline.export import export_module
+from slimline.measure.latency import benchmark, paired_speedup
+from slimline.recipe import BenchConfig
+from slimline.record import atomic_write_text
+from slimline.task import load_task
+
+
+def _plan_arg(text: str) -> tuple[str, dict[str, float]]:
+    """NAME=JSON ratios, or NAME=@RUN_DIR for the plan a finished run recorded."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--plan {text!r}: write NAME=JSON or NAME=@RUN_DIR")
+    if value.startswith("@"):
+        manifest = json.loads((Path(value[1:]) / "manifest.json").read_text())
+        prune = next((c for c in manifest["candidates"] if c["name"] == "prune"), None)
+        if prune is None:
+            raise argparse.ArgumentTypeError(f"{value[1:]} has no prune candidate")
+        return name, {k: float(v) for k, v in prune["meta"]["plan"].items()}
+    return name, {k: float(v) for k, v in json.loads(value).items()}
+
+
+def _predicted(keep: dict[str, int], table: dict[str, Any] | None) -> float | None:
+    if table is None:
+        return None
+    losses = table_losses(table, 1.0)
+    total = 0.0
+    for group, k in keep.items():
+        row = table["groups"][group]
+        if k == row["size"]:
+            continue
+        if k not in row["keep"]:
+            return None  # a level the sweep did not measure
+        total += losses[group][row["keep"].index(k)]
+    return total
+
+
+def plan_latency(
+    task_name: str,
+    plans: dict[str, dict[str, float]],
+    table: dict[str, Any] | None,
+    rounds: int,
+    repeats: int,
+    threads: int,
+    work: Path,
+) -> dict[str, Any]:
+    import torch
+    import torch_pruning as tp
+
+    torch.set_num_threads(threads)
+    task = load_task(task_name)
+    module = task.model().eval()  # type: ignore[misc]
+    example = to_tensors(task.sample_inputs(2))
+    sample = task.sample_inputs(1)
+    spec = QuantSpec(mode="dynamic", per_channel=True)
+    base = Candidate("fp32-onnx", "export", None, onnx=work / "fp32.onnx")
+    export_module(module, sample, work / "fp32.onnx", 17)
+    cands: list[Candidate] = [base]
+    rows: list[dict[str, Any]] = []
+    magnitude = tp.importance.GroupMagnitudeImportance(p=2)
+    for name, ratios in plans.items():
+        graph = PruneGraph(copy.deepcopy(module).eval(), example, keep_first_last=False)
+        plan = plan_from_ratios(
+            graph.groups, ratios, CostModel(graph), by="macs", max_ratio=0.8, round_to=8
+        )
+        for group, keep in plan.keep.items():
+            graph.prune_to(group, keep, magnitude)
+        onnx_path = export_module(graph.model.eval(), sample, work / f"{name}.onnx", 17)
+        prepared = prepare(onnx_path, work / f"{name}-prep", sample, threads=threads)
+        q = quantize_model(prepared.path, work / f"{name}-int8.onnx", spec, [])
+        cands.append(Candidate(name, "quantize", None, onnx=q))
+        rows.append(
+            {
+                "name": name,
+                "keep": {g: k for g, k in plan.keep.items() if k < graph.groups[g].size},
+                "macs_removed": plan.removed,
+                "predicted_loss": _predicted(plan.keep, table),
+            }
+        )
+    bench = BenchConfig(rounds=rounds, runs_per_round=40, warmup=10)
+    reps: list[dict[str, float]] = []
+    for r in range(repeats):
+        res = benchmark(cands, sample, bench, threads, throughput=False, desc=f"repeat {r + 1}")
+        reps.append(
+            {row["name"]: paired_speedup(res["fp32-onnx"]["latency_ms"], res[row["name"]]["latency_ms"])["ratio"]
+             for row in rows}
+        )  # fmt: skip
+    for row in rows:
+        row["ratio_per_repeat"] = [rep[row["name"]] for rep in reps]
+        row["ratio"] = float(np.median(row["ratio_per_repeat"]))
+    return {"task": task_name, "spec": spec.label, "threads": threads, "rounds": rounds,
+            "repeats": repeats, "plans": rows}  # fmt: skip
+
+
+def _markdown(doc: dict[str, Any], cmd: str) -> str:
+    lines = [
+        f"Pruned + INT8 latency per plan, no recovery (`{doc['task']}`, {doc['spec']}, batch 1, "
+        f"{doc['threads']} threads, {doc['repeats']} repeats x {doc['rounds']} interleaved "
+        f"rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        "",
+        "| plan | MACs removed | predicted loss | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
+        "|---|---|---|---|",
+    ]
+    for row in doc["plans"]:
+        loss = "-" if row["predicted_loss"] is None else f"{row['predicted_loss']:.3f}"
+        reps = ", ".join(f"{r:.3f}" for r in row["ratio_per_repeat"])
+        lines.append(
+            f"| {row['name']} | {row['macs_removed']:.1%} | {loss} | **{row['ratio']:.3f}x** ({reps}) |"
+        )
+    lines += ["", "Kept units per plan (groups not listed are whole):", ""]
+    for row in doc["plans"]:
+        kept = ", ".join(
+            f"{g.replace('encoder.encoder.', '')}: {k}" for g, k in row["keep"].items()
+        )
+        lines.append(f"- {row['name']}: {kept}")
+    lines += ["", "Reproduce:", "", f"    {cmd}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="minilm")
+    parser.add_argument("--plan", type=_plan_arg, action="append", default=[],
+                        help="NAME=JSON ratios per group, or NAME=@RUN_DIR")  # fmt: skip
+    parser.add_argument("--plans", type=Path, default=None,
+                        help="JSON file: {NAME: {group: ratio}}")  # fmt: skip
+    parser.add_argument("--sweep", type=Path, default=None, help="sensitivity map JSON")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
+    args = parser.parse_args(argv)
+    plans = dict(args.plan)
+    if args.plans:
+        plans.update(json.loads(args.plans.read_text()))
+    if not plans:
+        parser.error("give plans with --plan NAME=... or --plans FILE")
+    table = json.loads(args.sweep.read_text()) if args.sweep else None
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = plan_latency(
+            args.task, plans, table, args.rounds, args.repeats, args.threads, Path(tmp)
+        )
+    cmd = ".venv/bin/python bench/prune_plan_latency.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv
+    )
+    text = _markdown(doc, cmd)
+    print(text)
+    if args.out:
+        atomic_write_text(args.out, text)
+        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
