@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from bench_out import publish, reproduce_command
 from slimline.candidate import Candidate
 from slimline.compress.quant.config import QuantSpec
 from slimline.compress.quant.engine import quantize_model
@@ -31,7 +32,6 @@ from slimline.measure.latency import benchmark, paired_speedup
 from slimline.measure.quality import evaluate, make_reference
 from slimline.measure.runners import make_runner
 from slimline.recipe import BenchConfig
-from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 
@@ -159,14 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = QuantSpec(**args.spec) if args.spec else None
     with tempfile.TemporaryDirectory() as tmp:
         doc = frontier(args.run_dirs, spec, args.rounds, args.runs, args.repeats, Path(tmp))
-    cmd = ".venv/bin/python bench/prune_frontier.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    text = _markdown(doc, cmd)
-    print(text)
-    if args.out:
-        atomic_write_text(args.out, text)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    cmd = reproduce_command("prune_frontier.py", argv)
+    publish(_markdown(doc, cmd), doc, args.out)
     return 0
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_out import publish, reproduce_command
 from slimline.candidate import Candidate
 from slimline.commands import resolve_recipe
 from slimline.compress.finetune import distill, resolve_data
@@ -33,7 +34,6 @@ from slimline.compress.quant.prepare import prepare
 from slimline.export import export_module
 from slimline.measure.quality import Reference, evaluate, make_reference
 from slimline.measure.runners import make_runner
-from slimline.record import atomic_write_text
 from slimline.task import Task, load_task
 
 
@@ -138,14 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = more_recovery(
             args.entry, args.fp32_run, args.recipe, args.steps, args.lr, args.threads, Path(tmp)
         )
-    cmd = ".venv/bin/python bench/prune_more_recovery.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    text = _markdown(doc, cmd)
-    print(text)
-    if args.out:
-        atomic_write_text(args.out, text)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    cmd = reproduce_command("prune_more_recovery.py", argv)
+    publish(_markdown(doc, cmd), doc, args.out)
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from bench_out import publish, reproduce_command
 from slimline.candidate import Candidate
 from slimline.compress.finetune import to_tensors
 from slimline.compress.pruning.graph import CostModel, PruneGraph
@@ -38,7 +38,6 @@ from slimline.compress.quant.prepare import prepare
 from slimline.export import export_module
 from slimline.measure.latency import benchmark, paired_speedup
 from slimline.recipe import BenchConfig
-from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 
@@ -176,14 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = plan_latency(
             args.task, plans, table, args.rounds, args.repeats, args.threads, Path(tmp)
         )
-    cmd = ".venv/bin/python bench/prune_plan_latency.py " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
-    text = _markdown(doc, cmd)
-    print(text)
-    if args.out:
-        atomic_write_text(args.out, text)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    cmd = reproduce_command("prune_plan_latency.py", argv)
+    publish(_markdown(doc, cmd), doc, args.out)
     return 0
 
 

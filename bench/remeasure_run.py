@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from bench_out import publish, reproduce_command
 from slimline.candidate import Candidate
 from slimline.measure.latency import benchmark, paired_speedup
 from slimline.recipe import BenchConfig
-from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 
@@ -149,14 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = remeasure(
         args.run_dir, args.candidates, args.rounds, args.runs, args.repeats, args.throughput
     )
-    cmd = ".venv/bin/python bench/remeasure_run.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    text = _markdown(doc, args.candidates, cmd)
-    print(text)
-    if args.out:
-        atomic_write_text(args.out, text)
-        atomic_write_text(args.out.with_suffix(".json"), json.dumps(doc, indent=1))
+    cmd = reproduce_command("remeasure_run.py", argv)
+    publish(_markdown(doc, args.candidates, cmd), doc, args.out)
     return 0
 
 
