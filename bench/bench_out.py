@@ -17,6 +17,11 @@ def reproduce_command(script: str, argv: list[str] | None) -> str:
     return f".venv/bin/python bench/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
+def reproduce_footer(cmd: str) -> list[str]:
+    """The markdown lines that end every result: how to produce it again."""
+    return ["", "Reproduce:", "", f"    {cmd}", ""]
+
+
 def publish(text: str, doc: dict[str, Any], out: Path | None) -> None:
     print(text)
     if out is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_out import publish, reproduce_command
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.candidate import Candidate
 from slimline.compress.quant.config import QuantSpec
 from slimline.compress.quant.engine import quantize_model
@@ -137,7 +137,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
             f"| `{Path(p['run_dir']).name}` | {macs} | {p['pruned_cosine']:.4f} ({state}) | "
             f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | **{p['int8_ratio']:.3f}x** ({reps}) |"
         )
-    lines += ["", "Reproduce:", "", f"    {cmd}", ""]
+    lines += reproduce_footer(cmd)
     return "\n".join(lines)
 
 

@@ -23,11 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_out import publish, reproduce_command
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.candidate import Candidate
 from slimline.commands import resolve_recipe
 from slimline.compress.finetune import distill, resolve_data
-from slimline.compress.pruning.step import PruneConfig, restore_pruned
+from slimline.compress.pruning.step import (
+    HISTORY_FILE,
+    WEIGHTS_FILE,
+    PruneConfig,
+    restore_pruned,
+)
 from slimline.compress.quant.config import QuantSpec
 from slimline.compress.quant.engine import quantize_model
 from slimline.compress.quant.prepare import prepare
@@ -62,7 +67,7 @@ def more_recovery(
     ft = cfg.finetune.model_copy(
         update={"steps": steps, "lr": lr, "patience": steps + 1, "eval_every": 100}
     )
-    meta = {"weights": "pruned.pt", "history_file": "prune_history.json"}
+    meta = {"weights": WEIGHTS_FILE, "history_file": HISTORY_FILE}
     student = restore_pruned(entry, meta, task)
     teacher = task.model().eval()  # type: ignore[misc]
     for p in teacher.parameters():
@@ -113,11 +118,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"| model | cosine to FP32 | {m} (FP32 {doc['fp32_metric']:.4f}) |",
         "|---|---|---|",
         *[f"| {name} | {q['cosine']:.4f} | {q['metric']:.4f} |" for name, q in rows],
-        "",
-        "Reproduce:",
-        "",
-        f"    {cmd}",
-        "",
+        *reproduce_footer(cmd),
     ]
     return "\n".join(lines)
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = parser.parse_args(argv)
-    if not (args.entry / "pruned.pt").is_file():
+    if not (args.entry / WEIGHTS_FILE).is_file():
         raise SystemExit(f"{args.entry} has no pruned.pt: pass a prune step's step-cache entry")
     with tempfile.TemporaryDirectory() as tmp:
         doc = more_recovery(

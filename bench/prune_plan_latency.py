@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_out import publish, reproduce_command
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.candidate import Candidate
 from slimline.compress.finetune import to_tensors
 from slimline.compress.pruning.graph import CostModel, PruneGraph
@@ -148,7 +148,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
             f"{g.replace('encoder.encoder.', '')}: {k}" for g, k in row["keep"].items()
         )
         lines.append(f"- {row['name']}: {kept}")
-    lines += ["", "Reproduce:", "", f"    {cmd}", ""]
+    lines += reproduce_footer(cmd)
     return "\n".join(lines)
 
 

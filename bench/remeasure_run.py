@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from bench_out import publish, reproduce_command
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.candidate import Candidate
 from slimline.measure.latency import benchmark, paired_speedup
 from slimline.recipe import BenchConfig
@@ -113,11 +113,7 @@ def _markdown(doc: dict[str, Any], names: list[str], cmd: str) -> str:
     lines += [
         "",
         "Median over repeats: " + ", ".join(f"{n} {v:.3f}x" for n, v in meds.items()) + ".",
-        "",
-        "Reproduce:",
-        "",
-        f"    {cmd}",
-        "",
+        *reproduce_footer(cmd),
     ]
     return "\n".join(lines)
 
