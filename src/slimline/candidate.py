@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Candidate", "module_hash"]
+__all__ = ["QUANTIZABLE_SOURCE", "Candidate", "module_hash", "quantizable_graph"]
+
+# meta key: the file, beside the candidate's ONNX, of an equivalent float graph offline tools can
+# read, set by a step whose saved graph holds runtime-only fusions (FusedConv, FusedMatMul)
+QUANTIZABLE_SOURCE = "quantizable_source"
 
 
 @dataclass
@@ -37,6 +41,15 @@ class Candidate:
         if self.module is not None:
             return module_hash(self.module)
         raise ValueError(f"candidate {self.name} has neither an ONNX file nor a module")
+
+
+def quantizable_graph(cand: Candidate) -> Path:
+    """The float graph that quantization and other offline ONNX tools can read for ``cand``:
+    its ONNX file, or the source its step named where that file holds runtime-only fusions."""
+    if cand.onnx is None:
+        raise ValueError(f"candidate {cand.name} has no ONNX graph")
+    source = cand.meta.get(QUANTIZABLE_SOURCE)
+    return Path(cand.onnx).parent / source if source else Path(cand.onnx)
 
 
 def file_hash(path: Path) -> str:

@@ -13,14 +13,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .cache import StepCache
 from .candidate import Candidate
+from .config import StepConfig
+from .paths import cache_dir
 from .recipe import Recipe
+from .record import data_hash, json_hash, package_versions
+from .steps import spec_for
 from .task import Task
 
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
 
-__all__ = ["StepContext"]
+__all__ = ["StepContext", "step_key_parts"]
+
+
+def step_key_parts(
+    cfg: StepConfig,
+    input_hash: str,
+    task: Task,
+    data: dict[str, str],
+    recipe: Recipe | None = None,
+) -> dict[str, Any]:
+    """What a result of step ``cfg`` depends on besides its config: the step's own version, the
+    packages it uses, its input, the task and its data, and (with ``recipe``) the recipe fields
+    the step declares it reads. Not slimline's other source files."""
+    spec = spec_for(cfg)
+    parts: dict[str, Any] = {
+        "step": cfg.kind,
+        "step_version": spec.version,
+        "packages": package_versions(spec.packages),
+        "input": input_hash,
+        "task": task.source,
+        "data": data,
+    }
+    if recipe is not None:
+        parts["recipe"] = recipe.read(spec.reads)
+    return parts
 
 
 @dataclass
@@ -32,6 +61,9 @@ class StepContext:
     reference: Reference  # FP32 outputs on the evaluation data
     alternatives: list[Candidate] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # the pipeline's cache and the task's data hashes (a context built without them makes its own)
+    cache: StepCache | None = None
+    data_hashes: dict[str, str] = field(default_factory=dict)
     # injected by the pipeline so steps measure the same way the pipeline does
     _evaluate: Callable[[Candidate], Quality] | None = None
     _compare: Callable[[list[Candidate]], dict[str, dict[str, Any]]] | None = None
@@ -39,6 +71,23 @@ class StepContext:
     @property
     def threads(self) -> int:
         return self.recipe.target.threads
+
+    def step_cache(self) -> StepCache:
+        """Where a step keeps results and resumable state beyond its own cache entry."""
+        if self.cache is None:
+            self.cache = StepCache(cache_dir())
+        return self.cache
+
+    def cache_key(self, cfg: StepConfig, cand: Candidate, **extra: Any) -> str:
+        """Key of a result of ``cfg`` on ``cand`` that depends on ``extra`` (not the config or
+        the recipe fields unless passed in ``extra``): see :func:`step_key_parts`."""
+        if not self.data_hashes:
+            self.data_hashes = {
+                "calibration_data": data_hash(self.task.calibration_data()),
+                "eval_data": data_hash(self.task.eval_data()),
+            }
+        parts = step_key_parts(cfg, cand.content_hash(), self.task, self.data_hashes)
+        return json_hash({**parts, **extra})
 
     def evaluate(self, cand: Candidate) -> Quality:
         """Task metric and fidelity of ``cand`` against the FP32 reference outputs."""

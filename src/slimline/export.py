@@ -19,7 +19,7 @@ from .measure.quality import fidelity
 from .measure.runners import OrtRunner, TorchRunner
 from .recipe import StepConfig
 from .record import atomic_write_bytes
-from .steps import step
+from .steps import Contract, step
 from .task import Inputs
 
 __all__ = ["ExportConfig", "export_module", "verify_export"]
@@ -90,7 +90,15 @@ def verify_export(
     return {"check_samples": len(ref), **{k: v for k, v in fid.items() if k != "top1_agreement"}}
 
 
-@step(ExportConfig)
+@step(
+    ExportConfig,
+    contract=Contract(
+        consumes=("torch",), produces=("onnx",), keeps=("torch",), once=True, first=True
+    ),
+    version=1,
+    reads=("target.threads",),
+    packages=("torch", "onnx", "onnxruntime", "numpy"),
+)
 def export_step(cfg: ExportConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     if cand.module is None:
         raise ExportError(

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError, InputMismatchError, ModelFileError
-from .task import Inputs, Task, check_inputs
+from .taskspec import Task
+from .tensors import Inputs, check_inputs
 
 __all__ = ["load_samples", "onnx_task"]
 

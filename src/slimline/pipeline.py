@@ -26,8 +26,8 @@ import numpy as np
 
 from .cache import StepCache
 from .candidate import Candidate, file_hash, module_hash
-from .context import StepContext
-from .errors import SlimlineError, StepError
+from .context import StepContext, step_key_parts
+from .errors import RecipeError, SlimlineError, StepError
 from .export import ExportConfig
 from .measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift, speed_verdict
 from .measure.memory import peak_rss
@@ -43,15 +43,19 @@ from .record import (
     hardware,
     json_hash,
     now_iso,
+    package_versions,
     versions,
 )
-from .steps import handler_for, restorer_for
+from .steps import check_order, handler_for, restorer_for, start_forms
 from .task import Task, load_task
 
 __all__ = ["Run", "run_recipe"]
 
 log = logging.getLogger("slimline.pipeline")
 BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it unreliable
+# bump when how candidates are measured or judged changes: cached figures and decisions miss
+MEASURE_VERSION = 1
+MEASURE_PACKAGES = ("onnxruntime", "torch", "numpy")
 
 
 @dataclass
@@ -97,6 +101,9 @@ def run_recipe(
     from .report.html import write_report  # late: report sections import optional modules
 
     task = load_task(recipe.task, recipe.samples)
+    problem = check_order(recipe.steps, start_forms(task.is_onnx))
+    if problem:  # the recipe checked the task's file name; this checks what it loaded
+        raise RecipeError(f"recipe {recipe.name}: {problem}")
     run = Run(
         recipe=recipe,
         task=task,
@@ -174,20 +181,10 @@ def _reference(run: Run, cand: Candidate) -> Reference:
 
 
 def _step_key(run: Run, cfg: StepConfig, cand: Candidate) -> str:
-    r = run.recipe
-    return json_hash(
-        {
-            "step": cfg.kind,
-            "config": cfg.model_dump(mode="json"),
-            "input": cand.content_hash(),
-            "data": run.hashes,
-            "target": r.target.model_dump(),
-            "budget": r.budget.model_dump(),
-            "bench": r.bench.model_dump(),
-            "versions": run.versions,
-            "task": run.task.source,
-        }
-    )
+    """The step's config, its input's content hash, the task's data, the recipe fields the step
+    reads, its own version and its packages' versions (:func:`context.step_key_parts`)."""
+    parts = step_key_parts(cfg, cand.content_hash(), run.task, run.hashes, run.recipe)
+    return json_hash({**parts, "config": cfg.key_dict()})
 
 
 def _context(run: Run, workdir: Path) -> StepContext:
@@ -199,6 +196,8 @@ def _context(run: Run, workdir: Path) -> StepContext:
         workdir=workdir,
         baseline=baseline,
         reference=run.reference,
+        cache=run.cache,
+        data_hashes=run.hashes,
         _evaluate=lambda c: _quality(run, c),
         _compare=lambda cs: _compare(run, cs),
     )
@@ -309,6 +308,7 @@ def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tu
             "decide": _step_key(run, cfg, parent),
             "cand": cand.content_hash(),
             "parent": parent.content_hash(),
+            **_measure_key_parts(run),
         }
     )
     cached = None if run.remeasure else run.cache.get_json("decision", key)
@@ -418,16 +418,26 @@ def _params(c: Candidate) -> int | None:
     return None
 
 
+def _measure_key_parts(run: Run) -> dict[str, Any]:
+    """What a measurement or an accept/reject decision depends on besides the models."""
+    r = run.recipe
+    return {
+        "measure_version": MEASURE_VERSION,
+        "packages": package_versions(MEASURE_PACKAGES),
+        "target": r.target.key_dict(),
+        "budget": r.budget.key_dict(),
+        "bench": r.bench.key_dict(),
+    }
+
+
 def _measure_all(run: Run) -> None:
     cands = run.chain
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
             "names": [c.name for c in cands],
-            "bench": run.recipe.bench.model_dump(),
-            "target": run.recipe.target.model_dump(),
             "data": run.hashes,
-            "versions": run.versions,
+            **_measure_key_parts(run),
         }
     )
     cached = None if run.remeasure else run.cache.get_json("measure", key)

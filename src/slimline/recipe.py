@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from .config import Config, StepConfig
 from .errors import RecipeError
+from .steps import check_order, config_class, start_forms
 
 __all__ = [
     "BenchConfig",
@@ -33,19 +35,6 @@ __all__ = [
 ]
 
 RECIPE_VERSION: Literal[1] = 1
-
-
-class Config(BaseModel):
-    """Base of every slimline config: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class StepConfig(Config):
-    """Base of step configs. Subclasses set ``kind``, the key used in recipes."""
-
-    kind: ClassVar[str] = ""
-    version: int = 1
 
 
 class TargetConfig(Config):
@@ -107,8 +96,6 @@ class Recipe(Config):
     @field_validator("steps", mode="before")
     @classmethod
     def _build_steps(cls, raw: Any) -> list[StepConfig]:
-        from .steps import config_class  # late: the registry imports step modules
-
         if raw is None:
             return []
         if not isinstance(raw, list):
@@ -126,6 +113,28 @@ class Recipe(Config):
             steps.append(config_class(str(kind)).model_validate(params or {}))
         return steps
 
+    @model_validator(mode="after")
+    def _possible_order(self) -> Recipe:
+        problem = check_order(self.steps, start_forms(is_onnx_task(self.task)))
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def read(self, paths: tuple[str, ...]) -> dict[str, Any]:
+        """The recipe fields named by dotted ``paths`` as JSON (``steps.KIND``: that step's
+        configs), for the cache key of a step that declares it reads them."""
+        out: dict[str, Any] = {}
+        for path in paths:
+            head, _, kind = path.partition(".")
+            if head == "steps":
+                out[path] = [s.key_dict() for s in self.steps if s.kind == kind]
+                continue
+            value: Any = self
+            for part in path.split("."):
+                value = getattr(value, part)
+            out[path] = value.key_dict() if isinstance(value, Config) else value
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that :func:`recipe_from_dict` turns back into an equal recipe."""
         data = self.model_dump(mode="json", exclude={"steps"})
@@ -136,10 +145,15 @@ class Recipe(Config):
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def is_onnx_task(spec: str) -> bool:
+    """Whether a recipe's ``task`` names an ONNX file (the task then has no torch model)."""
+    return spec.endswith(".onnx")
+
+
 def _format_validation_error(err: ValidationError, origin: str) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"]
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = (
             "unknown key; remove it or check its spelling (see `slimline optimize --print-recipe`)"

@@ -29,6 +29,7 @@ __all__ = [
     "json_hash",
     "load_manifest",
     "now_iso",
+    "package_versions",
     "versions",
 ]
 
@@ -140,14 +141,25 @@ def data_hash(batches: Iterable[Any]) -> str:
 
 
 def code_hash() -> str:
-    """Hash of slimline's own source files, so a changed step implementation misses the cache
-    even when the version number did not move (development installs)."""
+    """Hash of slimline's own source files: recorded in the manifest (which code made a run),
+    never part of a cache key (a step's key names its own ``version`` instead)."""
     root = Path(__file__).parent
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
         h.update(str(f.relative_to(root)).encode())
         h.update(f.read_bytes())
     return "sha256:" + h.hexdigest()[:16]
+
+
+def package_versions(packages: Iterable[str]) -> dict[str, str | None]:
+    """Python's version and those of the named distributions (``None`` where not installed)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in sorted(set(packages)):
+        try:
+            out[pkg.replace("-", "_")] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg.replace("-", "_")] = None
+    return out
 
 
 def versions() -> dict[str, str | None]:

@@ -28,67 +28,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
-import numpy as np
+from .errors import TaskError
+from .taskspec import OutputKind, Task
+from .tensors import Inputs, check_inputs, take_samples
 
-from .errors import DataError, InputMismatchError, TaskError
+__all__ = ["Inputs", "OutputKind", "Task", "check_inputs", "load_task", "take_samples"]
 
-__all__ = ["Inputs", "Task", "check_inputs", "load_task", "take_samples"]
-
-Inputs = dict[str, np.ndarray]
-OutputKind = Literal["logits", "embedding", "other"]
 EXAMPLES_PACKAGE = "slimline.examples"
 _REQUIRED = ("model", "calibration_data", "eval_data", "metric")
-
-
-@dataclass
-class Task:
-    name: str
-    source: str  # the spec it was loaded from, to reload it in a subprocess
-    calibration_data: Callable[[], Iterable[Inputs]]
-    eval_data: Callable[[], Iterable[tuple[Inputs, Any]]]
-    metric: Callable[[np.ndarray, Any], float]
-    metric_name: str = "metric"
-    output_kind: OutputKind = "other"
-    model: Callable[[], Any] | None = None  # torch.nn.Module factory; None for ONNX tasks
-    onnx_path: Path | None = None  # set for ONNX tasks
-    train_data: Callable[[], Iterable[tuple[Inputs, Any]]] | None = None
-    loss: Callable[[Any, Any], Any] | None = None
-    module: Any = None  # the loaded task module, for task-specific extras
-
-    @property
-    def is_onnx(self) -> bool:
-        return self.onnx_path is not None
-
-    def sample_inputs(self, batch: int = 1) -> Inputs:
-        """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
-        rows = take_samples(self.calibration_data(), batch)
-        if not rows:
-            raise DataError(
-                f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"
-            )
-        return rows
-
-    def extra(self, name: str, default: Any = None) -> Any:
-        return getattr(self.module, name, default) if self.module is not None else default
-
-
-def take_samples(batches: Iterable[Inputs], n: int) -> Inputs:
-    """Concatenate batches until ``n`` rows are collected; returns ``{}`` for no data."""
-    parts: list[Inputs] = []
-    have = 0
-    for b in batches:
-        parts.append(b)
-        have += len(next(iter(b.values())))
-        if have >= n:
-            break
-    if not parts:
-        return {}
-    return {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
 
 
 def load_task(spec: str, samples: str | None = None) -> Task:
@@ -155,35 +106,6 @@ def _task_from_module(module: Any, source: str, default_name: str) -> Task:
         loss=getattr(module, "loss", None),
         module=module,
     )
-
-
-def check_inputs(inputs: Inputs, expected: dict[str, tuple[str, list[Any]]], where: str) -> None:
-    """Check names, dtypes and ranks/static dims of ``inputs`` against a model's input spec.
-
-    ``expected`` maps input name -> (numpy dtype name, shape with ints for fixed dims and
-    str/None for free dims).
-    """
-    got, want = set(inputs), set(expected)
-    if got != want:
-        raise InputMismatchError(
-            f"{where}: inputs are named {sorted(got)} but the model expects {sorted(want)}; "
-            "rename the arrays to the model's input names"
-        )
-    for name, (dtype, shape) in expected.items():
-        arr = inputs[name]
-        if str(arr.dtype) != dtype:
-            raise InputMismatchError(
-                f"{where}: input {name!r} is {arr.dtype} but the model expects {dtype}; "
-                f"convert it with .astype(np.{dtype})"
-            )
-        if arr.ndim != len(shape) or any(
-            isinstance(d, int) and d != s for d, s in zip(shape, arr.shape, strict=False)
-        ):
-            shown = ["?" if not isinstance(d, int) else d for d in shape]
-            raise InputMismatchError(
-                f"{where}: input {name!r} has shape {list(arr.shape)} but the model expects {shown}; "
-                "reshape the samples to match"
-            )
 
 
 def iter_rows(batches: Iterable[Inputs], limit: int | None) -> Iterator[Inputs]:

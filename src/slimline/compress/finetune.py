@@ -15,7 +15,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -43,6 +43,8 @@ DEFAULT_BASE_LR = 1e-3  # Adam-style learning rate assumed when the task names n
 
 
 class FinetuneConfig(Config):
+    not_in_key: ClassVar[frozenset[str]] = frozenset({"progress"})
+
     steps: int = Field(200, ge=0, description="max optimizer steps per fine-tuning run")
     lr: float | None = Field(None, gt=0.0, description="absolute learning rate; overrides lr_scale")
     lr_scale: float = Field(

@@ -9,6 +9,7 @@ after go into the candidate's record so the change can be inspected.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -16,17 +17,18 @@ from typing import Any, ClassVar, Literal
 
 import onnx
 
-from ..candidate import Candidate
+from ..candidate import QUANTIZABLE_SOURCE, Candidate, quantizable_graph
 from ..context import StepContext
 from ..measure.runners import ort_session
 from ..recipe import StepConfig
-from ..steps import step
+from ..steps import Contract, step
 from ..task import Inputs
 from .quant.prepare import fuse_transformer
 
 __all__ = ["GraphConfig", "is_transformer", "op_counts", "optimize_graph"]
 
 log = logging.getLogger("slimline.graph")
+SOURCE_FILE = "source.onnx"  # the float graph the optimized one was made from
 
 
 class GraphConfig(StepConfig):
@@ -81,7 +83,28 @@ def optimize_graph(
     }
 
 
-@step(GraphConfig)
+def _link_source(cand: Candidate, workdir: Path) -> str:
+    """Keep, beside the optimized graph, the float graph it was made from: ONNX Runtime's saved
+    optimizations are runtime-only fusions that quantization cannot read (a hard link where the
+    file system allows, so no second copy of the weights)."""
+    dst = workdir / SOURCE_FILE
+    src = quantizable_graph(cand)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+    return SOURCE_FILE
+
+
+@step(
+    GraphConfig,
+    contract=Contract(
+        consumes=("onnx", "onnx-int8"), produces=(), keeps=("torch", "onnx", "onnx-int8")
+    ),
+    version=1,
+    reads=("target.threads",),
+    packages=("onnx", "onnxruntime", "numpy"),
+)
 def graph_step(cfg: GraphConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     assert cand.onnx is not None, "graph runs on an exported candidate"
     record = optimize_graph(
@@ -100,5 +123,5 @@ def graph_step(cfg: GraphConfig, cand: Candidate, ctx: StepContext) -> Candidate
         parent=cand.name,
         onnx=ctx.workdir / "model.onnx",
         module=cand.module,
-        meta=record,
+        meta={**record, QUANTIZABLE_SOURCE: _link_source(cand, ctx.workdir)},
     )

@@ -16,9 +16,9 @@ from typing import Any
 
 import onnx
 
-from ..candidate import Candidate
+from ..candidate import Candidate, quantizable_graph
 from ..context import StepContext
-from ..steps import step
+from ..steps import Contract, step
 from ..task import Inputs
 from .quant.auto import (
     Search,
@@ -43,16 +43,17 @@ FEW_SAMPLES = 300
 
 
 def _source(cand: Candidate, ctx: StepContext) -> tuple[Path, str | None]:
-    """The float graph to prepare. A graph-step output saved by ONNX Runtime's extended optimizer
-    holds runtime-only fusions (FusedConv, FusedMatMul) the quantizer cannot read; when it came
-    straight from the FP32 export, the export is prepared instead (same optimizations, applied
-    in quantizable form here and again by ONNX Runtime at load time)."""
+    """The float graph to prepare. A step whose saved graph holds runtime-only fusions (the
+    graph step: FusedConv, FusedMatMul, which the quantizer cannot read) names the float graph it
+    started from, and that one is prepared instead (same optimizations, applied in quantizable
+    form here and again by ONNX Runtime at load time)."""
     assert cand.onnx is not None, "quantize runs on an ONNX candidate"
-    base = ctx.baseline
-    if cand.step == "graph" and cand.parent == base.name and base.onnx is not None:
-        return Path(
-            base.onnx
-        ), f"prepared from {base.name}: the graph step's saved runtime fusions block quantization"
+    source = quantizable_graph(cand)
+    if source != Path(cand.onnx):
+        return source, (
+            f"prepared from {cand.parent}'s float graph: the {cand.step} step's saved runtime "
+            "fusions block quantization"
+        )
     return Path(cand.onnx), None
 
 
@@ -116,7 +117,13 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
     )
 
 
-@step(QuantizeConfig)
+@step(
+    QuantizeConfig,
+    contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
+    version=1,
+    reads=("target", "budget", "bench"),
+    packages=("onnx", "onnxruntime", "numpy"),
+)
 def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     t0 = time.perf_counter()
     src, note = _source(cand, ctx)

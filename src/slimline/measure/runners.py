@@ -13,7 +13,7 @@ import numpy as np
 
 from ..candidate import Candidate
 from ..errors import InputMismatchError, ModelFileError
-from ..task import Inputs, check_inputs
+from ..tensors import Inputs, check_inputs
 
 __all__ = [
     "ORT_TO_NP",

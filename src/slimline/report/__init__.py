@@ -3,7 +3,8 @@
 Each feature area contributes sections with :func:`section`; a section is
 ``fn(manifest: dict, run_dir: Path) -> str | None`` returning an HTML fragment (``None`` or ``""``
 to skip). Plots are embedded as PNG data URIs via :func:`slimline.report.plots.png_img`.
-Section modules are listed in ``SECTION_MODULES`` and imported when a report is built.
+Every module of the packages in ``SECTION_PACKAGES`` is imported when a report is built, so a
+new technique's section (e.g. ``slimline/report/qat.py``) registers itself without being listed.
 """
 
 from __future__ import annotations
@@ -12,16 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECTION_MODULES", "Section", "section", "sections"]
+__all__ = ["SECTION_PACKAGES", "Section", "section", "sections"]
 
 Section = Callable[[dict[str, Any], Path], "str | None"]
 
-SECTION_MODULES: tuple[str, ...] = (
-    "slimline.report.core",
-    "slimline.loadtest.report",
-    "slimline.report.pruning",
-    "slimline.report.quantization",
-)
+SECTION_PACKAGES: tuple[str, ...] = ("slimline.report", "slimline.loadtest.report")
 
 _SECTIONS: list[tuple[int, str, Section]] = []
 
@@ -38,8 +34,7 @@ def section(order: int, title: str) -> Callable[[Section], Section]:
 
 
 def sections() -> list[tuple[int, str, Section]]:
-    import importlib
+    from ..discover import import_all
 
-    for mod in SECTION_MODULES:
-        importlib.import_module(mod)
+    import_all(SECTION_PACKAGES)
     return sorted(_SECTIONS, key=lambda s: (s[0], s[1]))

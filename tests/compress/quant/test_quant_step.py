@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import onnx
 import pytest
 from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx, text_inputs
 
-from slimline.candidate import Candidate
+from slimline.candidate import QUANTIZABLE_SOURCE, Candidate
 from slimline.compress.quant.auto import Search, mixed_precision
 from slimline.compress.quant.calibrate import calibrate
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
@@ -207,10 +208,14 @@ def test_a_graph_step_output_is_prepared_from_the_export(cnn_onnx: Path, tmp_pat
 
     fused = tmp_path / "graph.onnx"
     ort_session(cnn_onnx, 1, optimized_out=fused, level="extended")
+    shutil.copyfile(cnn_onnx, tmp_path / "source.onnx")
     ctx = make_ctx(
         cnn_task(cnn_onnx), cnn_onnx, tmp_path / "w", {"max_metric_drop": 0.1, "min_cosine": 0.9}
     )
-    graph = Candidate("graph", "graph", "fp32-onnx", onnx=fused)
+    # the graph step names the float graph it started from: its saved fusions are runtime-only
+    graph = Candidate(
+        "graph", "graph", "fp32-onnx", onnx=fused, meta={QUANTIZABLE_SOURCE: "source.onnx"}
+    )
     out = quantize_step(QuantizeConfig(mode="static", samples=16), graph, ctx)
     assert out.meta["prepared"]["notes"][0].startswith("prepared from fp32-onnx")
     assert out.meta["kernels"]["int8_kernels"] == 3

@@ -1,11 +1,12 @@
 """The ``prune`` step: sensitivity map -> plan -> rounds of pruning, each recovered by distillation.
 
 The step returns the pruned dense model and its verified ONNX export; the pipeline accepts it only
-if it is within budget and measurably faster. Progress is checkpointed after every round under
-``cache_dir("prune", <hash of input model + config>)`` (atomic writes), and inside a round at
-every held-out evaluation of its recovery, so a killed run resumes where it was: inside the round
-being recovered, or after the last finished round; the sensitivity table and the plan are kept
-there too.
+if it is within budget and measurably faster. Progress is checkpointed after every round in a work
+directory of the step cache (:meth:`StepCache.work_dir`, keyed like the step's own entry: input
+model, config, data, step version, package versions; atomic writes), and inside a round at every
+held-out evaluation of its recovery, so a killed run resumes where it was: inside the round being
+recovered, or after the last finished round; the plan is kept there too, and the sensitivity
+table is a JSON entry of the step cache that a run with another target or fine-tuning reuses.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from ...candidate import Candidate, module_hash
+from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import RecipeError, StepError
-from ...paths import cache_dir
 from ...recipe import StepConfig
-from ...record import atomic_write_bytes, atomic_write_json, json_hash
-from ...steps import step
+from ...record import atomic_write_bytes, atomic_write_json
+from ...steps import Contract, step
 from ...task import Task
 from ..finetune import FinetuneConfig, accumulate_gradients, distill, resolve_data, to_tensors
 from .graph import (
@@ -48,10 +48,12 @@ log = logging.getLogger("slimline.prune")
 HISTORY_ATTR = "_slimline_prune_history"  # pruning history carried by a pruned module
 WEIGHTS_FILE = "pruned.pt"
 HISTORY_FILE = "prune_history.json"
+SWEEP_KIND = "prune-sweep"  # the sensitivity tables' entries in the step cache
 
 
 class PruneConfig(StepConfig):
     kind: ClassVar[str] = "prune"
+    not_in_key: ClassVar[frozenset[str]] = frozenset({"progress", "workers", "ray_address"})
     target: float = Field(0.3, gt=0.0, lt=1.0, description="share of MACs (or params) to remove")
     by: Literal["macs", "params"] = "macs"
     max_ratio: float = Field(0.8, gt=0.0, lt=1.0, description="no group pruned beyond this")
@@ -206,11 +208,8 @@ def _save_torch(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def _state_dir(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
-    conf = cfg.model_dump(mode="json", exclude={"progress", "workers", "ray_address"})
-    conf["finetune"].pop("progress", None)
-    key = json_hash({"input": model_hash, "config": conf, "task": task.source})
-    return cache_dir("prune", key.split(":", 1)[1][:32])
+def _state_dir(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Path:
+    return ctx.step_cache().work_dir(ctx.cache_key(cfg, cand, config=cfg.key_dict()))
 
 
 _SWEEP_KEYS = (
@@ -225,13 +224,12 @@ _SWEEP_KEYS = (
 )
 
 
-def _sweep_path(cfg: PruneConfig, model_hash: str, task: Task) -> Path:
-    """Where the sensitivity table of this model and sweep setting is kept, so that a run with
-    another target, plan or fine-tuning setting reuses it."""
+def _sweep_key(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> str:
+    """Key of the sensitivity table of this model and sweep setting in the step cache, so that
+    a run with another target, plan or fine-tuning setting reuses it."""
     conf = {k: getattr(cfg, k) for k in _SWEEP_KEYS}
     conf["data"] = cfg.finetune.data  # decides Taylor vs magnitude ranking
-    key = json_hash({"input": model_hash, "sweep": conf, "task": task.source})
-    return cache_dir("prune", "sweeps") / f"{key.split(':', 1)[1][:32]}.json"
+    return ctx.cache_key(cfg, cand, sweep=conf)
 
 
 # -- importance --------------------------------------------------------------------------------
@@ -317,7 +315,7 @@ def _plan(
     cost: CostModel,
     importance: Callable[[], Any],
     state: RoundState,
-    sweep_path: Path,
+    sweep_key: str,
     base_history: list[list[Any]],
 ) -> tuple[Plan, dict[str, Any] | None]:
     if cfg.plan is not None:
@@ -334,15 +332,18 @@ def _plan(
         round_to=cfg.round_to,
     )
     table = state.data.get("sensitivity")
-    if table is None and sweep_path.is_file():
-        table = {**json.loads(sweep_path.read_text()), "reused": str(sweep_path)}
-        log.info("sensitivity map: reusing %s", sweep_path)
+    cache = ctx.step_cache()
+    if table is None:
+        table = cache.get_json(SWEEP_KIND, sweep_key)
+        if table is not None:
+            table["reused"] = sweep_key
+            log.info("sensitivity map: reusing %s", sweep_key)
     if table is None:
         imp = importance()
         order = {n: graph.removal_order(n, imp) for n in graph.groups}
         graph.model.zero_grad(set_to_none=True)
         table = _sweep(cfg, ctx, graph, order, base_history)
-        atomic_write_json(sweep_path, table)
+        cache.put_json(SWEEP_KIND, sweep_key, table)
         state.save(sensitivity=table)
         log.info(
             "sensitivity map: %d jobs in %.1fs (%s)",
@@ -543,7 +544,14 @@ def _share(before: int, after: int) -> dict[str, Any]:
     return {"before": before, "after": after, "removed": 1 - after / before}
 
 
-@step(PruneConfig, restore=restore_pruned)
+@step(
+    PruneConfig,
+    contract=Contract(consumes=("torch",), produces=("torch", "onnx")),
+    version=1,
+    reads=("target.threads", "bench", "samples", "steps.export"),
+    packages=("torch", "torch-pruning", "onnx", "onnxruntime", "numpy"),
+    restore=restore_pruned,
+)
 def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     import torch
 
@@ -556,8 +564,7 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
         ctx.warn(note)
-    model_hash = module_hash(module)
-    state = RoundState(_state_dir(cfg, model_hash, ctx.task))
+    state = RoundState(_state_dir(cfg, cand, ctx))
     plan, table = _plan(
         cfg,
         ctx,
@@ -565,7 +572,7 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
         cost,
         lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
         state,
-        _sweep_path(cfg, model_hash, ctx.task),
+        _sweep_key(cfg, cand, ctx),
         base_history,
     )
     state.save(plan=plan.to_dict())

@@ -1,0 +1,53 @@
+"""The :class:`Task` record: a model factory, its data and its metric (see :mod:`slimline.task`).
+
+A leaf module, so that task loaders (``task.py``, ``onnx_task.py``) and runners depend on it
+without depending on each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .errors import DataError
+from .tensors import Inputs, take_samples
+
+__all__ = ["OutputKind", "Task"]
+
+OutputKind = Literal["logits", "embedding", "other"]
+
+
+@dataclass
+class Task:
+    name: str
+    source: str  # the spec it was loaded from, to reload it in a subprocess
+    calibration_data: Callable[[], Iterable[Inputs]]
+    eval_data: Callable[[], Iterable[tuple[Inputs, Any]]]
+    metric: Callable[[np.ndarray, Any], float]
+    metric_name: str = "metric"
+    output_kind: OutputKind = "other"
+    model: Callable[[], Any] | None = None  # torch.nn.Module factory; None for ONNX tasks
+    onnx_path: Path | None = None  # set for ONNX tasks
+    train_data: Callable[[], Iterable[tuple[Inputs, Any]]] | None = None
+    loss: Callable[[Any, Any], Any] | None = None
+    module: Any = None  # the loaded task module, for task-specific extras
+
+    @property
+    def is_onnx(self) -> bool:
+        return self.onnx_path is not None
+
+    def sample_inputs(self, batch: int = 1) -> Inputs:
+        """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
+        rows = take_samples(self.calibration_data(), batch)
+        if not rows:
+            raise DataError(
+                f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"
+            )
+        return rows
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        return getattr(self.module, name, default) if self.module is not None else default
