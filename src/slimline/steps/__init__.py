@@ -189,7 +189,8 @@ def check_order(steps: list[StepConfig], start: frozenset[str]) -> str | None:
             if not contract.accepts(forms):
                 return _mismatch(f"steps[{i}] {cfg.kind}", contract, forms, origin)
         after = {contract.output(f): f"steps[{i}] {cfg.kind}" for f in states}
-        states = {**states, **after} if not contract.first else after
+        # a state reached before keeps the origin that first left it (the earliest cause)
+        states = {**after, **states} if not contract.first else after
     return None
 
 
@@ -197,7 +198,6 @@ def _mismatch(where: str, contract: Contract, forms: frozenset[str], origin: str
     needs, kind = _text(contract.consumes), where.split(" ")[-1]
     if origin == "the task":
         return f"{where} needs {needs}, but the task gives {_text(forms)}; remove {kind}"
-    return (
-        f"{where} needs {needs}, but after {origin} the candidate holds {_text(forms)}; "
-        f"put {kind} before {origin.split(' ')[-1]}"
-    )
+    before = origin.split(" ")[-1]
+    fix = "remove the repeat" if before == kind else f"put {kind} before {before}"
+    return f"{where} needs {needs}, but after {origin} the candidate holds {_text(forms)}; {fix}"

@@ -17,11 +17,12 @@ DIGITS = Path(__file__).parent / "digits_task.py"
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Round checkpoints go to a per-test cache; trained fixture weights stay shared."""
-    import slimline.compress.pruning.step as prune_step
+    """Round checkpoints and sensitivity tables go to a per-test step cache (a context built
+    without one opens ``cache_dir()``); trained fixture weights stay shared."""
+    import slimline.context as context
 
     root = tmp_path / "prune-cache"
-    monkeypatch.setattr(prune_step, "cache_dir", lambda *parts: _mk(root.joinpath(*parts)))
+    monkeypatch.setattr(context, "cache_dir", lambda *parts: _mk(root.joinpath(*parts)))
 
 
 def _mk(path: Path) -> Path:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from slimline.cache import StepCache
 from slimline.candidate import Candidate
 from slimline.compress.pruning import step as prune_mod
 from slimline.compress.pruning.step import PruneConfig, prune_step, restore_pruned
@@ -42,11 +43,9 @@ def _fp32(task: Task) -> Candidate:
 @pytest.fixture(scope="module")
 def pruned(digits: Task, tmp_path_factory: pytest.TempPathFactory) -> tuple[Candidate, Any]:
     workdir = tmp_path_factory.mktemp("prune")
-    with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("prune-cache")
-        mp.setattr(prune_mod, "cache_dir", lambda *p: root)
-        ctx = make_context(digits, workdir)
-        return prune_step(_cfg(), _fp32(digits), ctx), ctx
+    ctx = make_context(digits, workdir)
+    ctx.cache = StepCache(tmp_path_factory.mktemp("prune-cache"))
+    return prune_step(_cfg(), _fp32(digits), ctx), ctx
 
 
 def test_step_removes_the_target_share_for_real(pruned: tuple[Candidate, Any]) -> None:
