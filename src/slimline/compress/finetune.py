@@ -25,6 +25,7 @@ from ..recipe import Config
 from ..task import Task
 
 __all__ = [
+    "DistillHooks",
     "FeatureTap",
     "FinetuneConfig",
     "FinetuneResult",
@@ -84,6 +85,27 @@ class TrainCheckpoint(Protocol):
     def load(self) -> dict[str, Any] | None: ...
 
     def save(self, state: dict[str, Any]) -> None: ...
+
+
+class DistillHooks:
+    """Where a technique plugs into :func:`distill` without copying its loop: QAT inserts
+    fake-quant modules in ``prepare_student`` and freezes observers or BatchNorm statistics in
+    ``before_forward``; depth pruning gives the layers it keeps their own learning rates in
+    ``param_groups``. Each method does nothing by default."""
+
+    def prepare_student(self, student: Any) -> None:
+        """Called once before the first held-out evaluation (and before a resumed state loads)."""
+
+    def param_groups(self, student: Any, params: list[Any]) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups over the trainable ``params`` (AdamW options per
+        group, e.g. ``lr``; unset ones take the run's)."""
+        return [{"params": params}]
+
+    def before_forward(self, step: int, student: Any) -> None:
+        """Called before the student's forward pass of training step ``step`` (1-based)."""
+
+    def on_step(self, step: int, loss: float) -> None:
+        """Called after training step ``step`` with its loss."""
 
 
 @dataclass
@@ -314,6 +336,7 @@ def distill(
     desc: str = "fine-tune",
     on_step: Callable[[int, float], None] | None = None,
     checkpoint: TrainCheckpoint | None = None,
+    hooks: DistillHooks | None = None,
 ) -> FinetuneResult:
     """Fine-tune ``student`` in place to match ``teacher``; returns what happened.
 
@@ -321,20 +344,24 @@ def distill(
     defined, cross-entropy for integer labels on logits). The best held-out weights are kept.
     With a ``checkpoint``, the whole training state (weights, optimizer, schedule, best weights,
     early-stop count, RNG, data position) is saved at every held-out evaluation, and a run that
-    finds one continues from it instead of starting over.
+    finds one continues from it instead of starting over. ``hooks`` (:class:`DistillHooks`)
+    let a technique change the student, its parameter groups and each step.
     """
     import torch
     from tqdm.auto import tqdm
 
     lr = resolve_lr(task, cfg)
+    hooks = hooks or DistillHooks()
     teacher.eval()
+    hooks.prepare_student(student)
     val, skip = _split(batches, cfg.val_batches)
     before = _val_loss(student, teacher, val, output_kind, cfg)
     result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
     if cfg.steps == 0:
         return result
-    params = [p for p in student.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    groups = hooks.param_groups(student, [p for p in student.parameters() if p.requires_grad])
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
     )
@@ -374,6 +401,7 @@ def distill(
                 taps[0].take(), taps[1].take()
             with torch.no_grad():
                 t_out = _first(teacher(**x))
+            hooks.before_forward(step_i, student)
             loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
             if taps is not None:
                 s_tap, t_tap = taps
@@ -391,6 +419,7 @@ def distill(
             bar.set_postfix(loss=f"{running:.4f}", best=f"{best:.4f}")
             if on_step is not None:
                 on_step(step_i, value)
+            hooks.on_step(step_i, value)
             result.steps = step_i
             if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
                 v = _val_loss(student, teacher, val, output_kind, cfg)

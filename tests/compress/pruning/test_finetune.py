@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from slimline.compress.finetune import (
+    DistillHooks,
     FinetuneConfig,
     accumulate_gradients,
     distill,
@@ -255,3 +256,47 @@ def test_a_killed_fine_tune_continues_from_its_checkpoint_to_the_same_weights(
     assert res.best_step == full.best_step and res.val_after == pytest.approx(full.val_after)
     for p, q in zip(again.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+class _Recorder(DistillHooks):
+    """Freezes layer ``a``'s learning rate through the hook points and records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def prepare_student(self, student: Any) -> None:
+        self.calls.append(("prepare", 0))
+
+    def param_groups(self, student: Any, params: list[Any]) -> list[dict[str, Any]]:
+        frozen = set(map(id, student.a.parameters()))
+        return [
+            {"params": [p for p in params if id(p) in frozen], "lr": 0.0},
+            {"params": [p for p in params if id(p) not in frozen]},
+        ]
+
+    def before_forward(self, step: int, student: Any) -> None:
+        self.calls.append(("forward", step))
+
+    def on_step(self, step: int, loss: float) -> None:
+        self.calls.append(("step", step))
+
+
+def test_hooks_plug_into_the_loop_without_changing_it() -> None:
+    cfg = FinetuneConfig(steps=6, eval_every=3, patience=10, lr=1e-2, progress=False)
+    teacher, plain = _pair()
+    hooked = copy.deepcopy(plain)
+    again = copy.deepcopy(hooked)
+    torch.manual_seed(1)
+    distill(again, teacher, _batches(), cfg, output_kind="logits", hooks=DistillHooks())
+    torch.manual_seed(1)
+    baseline = copy.deepcopy(hooked)
+    distill(baseline, teacher, _batches(), cfg, output_kind="logits")
+    for p, q in zip(again.parameters(), baseline.parameters(), strict=True):
+        assert torch.equal(p, q)  # default hooks: the same weights as no hooks
+    assert not torch.equal(baseline.a.weight, plain.a.weight)  # and training did change them
+    rec, before_a = _Recorder(), hooked.a.weight.detach().clone()
+    distill(hooked, teacher, _batches(), cfg, output_kind="logits", hooks=rec)
+    assert rec.calls[0] == ("prepare", 0)
+    assert rec.calls[1:] == [(kind, s) for s in range(1, 7) for kind in ("forward", "step")]
+    assert torch.equal(hooked.a.weight, before_a)  # its parameter group's lr is 0
+    assert not torch.equal(hooked.b.weight, plain.b.weight)  # the other group trained
