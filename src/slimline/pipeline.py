@@ -46,7 +46,7 @@ from .record import (
     package_versions,
     versions,
 )
-from .steps import check_order, handler_for, restorer_for, start_forms
+from .steps import check_order, handler_for, restorer_for, spec_for, start_forms
 from .task import Task, load_task
 
 __all__ = ["Run", "run_recipe"]
@@ -626,6 +626,7 @@ def write_manifest(run: Run, status: str) -> None:
         },
         "hashes": run.hashes,
         "versions": run.versions,
+        "step_versions": {s.kind: spec_for(s).version for s in run.recipe.steps},
         "hardware": hardware(),
         "target": run.recipe.target.model_dump(),
         "selected": _selected(run).name if run.chain else None,
