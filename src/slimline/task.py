@@ -19,8 +19,10 @@ name               required    what it is
 =================  ==========  ==============================================================
 
 An ONNX file plus an ``.npz`` of sample inputs is a task too: its model is the ONNX graph, its
-calibration and evaluation inputs are the samples, and its metric is the mean cosine of the
-outputs to the FP32 model's own outputs (``fidelity``).
+calibration and evaluation inputs are the samples (evaluation rows held out, or a second file),
+and its metric is the mean cosine of the outputs to the FP32 model's own outputs (``fidelity``).
+Its :class:`~slimline.signature.Signature` says where each input's batch axis is; a task without
+one (every Python task) has the batch on axis 0 of every input.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
 
 from .errors import DataError, InputMismatchError, TaskError
+from .signature import Signature, batch_axis, concat_rows, n_rows, slice_rows
 
 __all__ = ["Inputs", "Task", "check_inputs", "load_task", "take_samples"]
 
@@ -59,6 +62,8 @@ class Task:
     train_data: Callable[[], Iterable[tuple[Inputs, Any]]] | None = None
     loss: Callable[[Any, Any], Any] | None = None
     module: Any = None  # the loaded task module, for task-specific extras
+    signature: Signature | None = None  # batch axes; None: axis 0 of every input, one output
+    notes: list[str] = field(default_factory=list)  # how the data was used, for the report
 
     @property
     def is_onnx(self) -> bool:
@@ -66,7 +71,7 @@ class Task:
 
     def sample_inputs(self, batch: int = 1) -> Inputs:
         """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
-        rows = take_samples(self.calibration_data(), batch)
+        rows = take_samples(self.calibration_data(), batch, self.signature)
         if not rows:
             raise DataError(
                 f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"
@@ -77,26 +82,40 @@ class Task:
         return getattr(self.module, name, default) if self.module is not None else default
 
 
-def take_samples(batches: Iterable[Inputs], n: int) -> Inputs:
-    """Concatenate batches until ``n`` rows are collected; returns ``{}`` for no data."""
+def take_samples(batches: Iterable[Inputs], n: int, sig: Signature | None = None) -> Inputs:
+    """Concatenate batches (along their batch axes) until ``n`` rows are collected; returns
+    ``{}`` for no data."""
     parts: list[Inputs] = []
     have = 0
     for b in batches:
         parts.append(b)
-        have += len(next(iter(b.values())))
+        have += n_rows(b, sig)
         if have >= n:
             break
     if not parts:
         return {}
-    return {k: np.concatenate([p[k] for p in parts])[:n] for k in parts[0]}
+    return slice_rows(concat_rows(parts, sig), 0, n, sig)
 
 
-def load_task(spec: str, samples: str | None = None) -> Task:
+def load_task(
+    spec: str,
+    samples: str | None = None,
+    eval_samples: str | None = None,
+    *,
+    batch_axes: dict[str, int | None] | None = None,
+    primary_output: str | None = None,
+) -> Task:
     """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples."""
     if spec.endswith(".onnx"):
         from .onnx_task import onnx_task
 
-        return onnx_task(Path(spec), Path(samples) if samples else None)
+        return onnx_task(
+            Path(spec),
+            Path(samples) if samples else None,
+            Path(eval_samples) if eval_samples else None,
+            batch_axes=batch_axes,
+            primary_output=primary_output,
+        )
     if spec.endswith(".py"):
         return _task_from_module(_import_file(Path(spec)), spec, Path(spec).stem)
     return _task_from_module(_import_example(spec), spec, spec)
@@ -157,11 +176,17 @@ def _task_from_module(module: Any, source: str, default_name: str) -> Task:
     )
 
 
-def check_inputs(inputs: Inputs, expected: dict[str, tuple[str, list[Any]]], where: str) -> None:
+def check_inputs(
+    inputs: Inputs,
+    expected: dict[str, tuple[str, list[Any]]],
+    where: str,
+    sig: Signature | None = None,
+) -> None:
     """Check names, dtypes and ranks/static dims of ``inputs`` against a model's input spec.
 
     ``expected`` maps input name -> (numpy dtype name, shape with ints for fixed dims and
-    str/None for free dims).
+    str/None for free dims). The batch axis of a model with a fixed batch of 1 may hold more
+    rows when ``sig`` says it takes rows in turn.
     """
     got, want = set(inputs), set(expected)
     if got != want:
@@ -176,8 +201,10 @@ def check_inputs(inputs: Inputs, expected: dict[str, tuple[str, list[Any]]], whe
                 f"{where}: input {name!r} is {arr.dtype} but the model expects {dtype}; "
                 f"convert it with .astype(np.{dtype})"
             )
+        rows_axis = batch_axis(sig, name) if sig is not None and sig.max_batch == 1 else None
         if arr.ndim != len(shape) or any(
-            isinstance(d, int) and d != s for d, s in zip(shape, arr.shape, strict=False)
+            isinstance(d, int) and d != s and a != rows_axis
+            for a, (d, s) in enumerate(zip(shape, arr.shape, strict=False))
         ):
             shown = ["?" if not isinstance(d, int) else d for d in shape]
             raise InputMismatchError(
@@ -186,13 +213,15 @@ def check_inputs(inputs: Inputs, expected: dict[str, tuple[str, list[Any]]], whe
             )
 
 
-def iter_rows(batches: Iterable[Inputs], limit: int | None) -> Iterator[Inputs]:
-    """Yield batches, cut so that at most ``limit`` rows in total come out."""
+def iter_rows(
+    batches: Iterable[Inputs], limit: int | None, sig: Signature | None = None
+) -> Iterator[Inputs]:
+    """Yield batches, cut (along their batch axes) so that at most ``limit`` rows come out."""
     seen = 0
     for b in batches:
-        n = len(next(iter(b.values())))
+        n = n_rows(b, sig)
         if limit is not None and seen + n > limit:
-            b = {k: v[: limit - seen] for k, v in b.items()}
+            b = slice_rows(b, 0, limit - seen, sig)
             n = limit - seen
         if n > 0:
             yield b
