@@ -260,7 +260,7 @@ def _max_batch(
     for name, d in fixed.items():
         if d != 1:
             raise InputMismatchError(
-                f"{where}: the model fixes input {name!r}'s batch axis at {d}; slimline feeds a "
+                f"{where}: the model fixes the batch axis of input {name!r} at {d}; slimline feeds a "
                 "fixed-batch model one row at a time, so it needs a batch of 1 or a free batch "
                 "axis: re-export the model with a dynamic (or size-1) batch axis"
             )
@@ -312,10 +312,14 @@ def _grown_axis(one: tuple[int, ...], two: tuple[int, ...]) -> int | None:
 
 
 def _unit_axis(shape: tuple[int, ...], dims: list[Dim]) -> int | None:
-    """For one row's output: the first axis the model fixes at 1, else the first of size 1."""
-    fixed = [a for a, d in enumerate(dims) if d == 1 and a < len(shape)]
+    """For one row's output: an axis of size 1, the one the model declares as 1 where several
+    are. The run's shape decides: a declared shape can be wrong (an OCR model declaring
+    ``[1, seqlen]`` returns ``[seqlen, 1, classes]``)."""
     ones = [a for a, s in enumerate(shape) if s == 1]
-    return fixed[0] if fixed else (ones[0] if ones else None)
+    if len(dims) == len(shape):
+        declared = [a for a in ones if dims[a] == 1]
+        ones = declared or ones
+    return ones[0] if ones else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,12 +366,20 @@ def _signature(
     axes, max_batch = infer_batch_axes(runner.model_inputs, data, hints, where)
     partial = Signature(inputs=axes, max_batch=max_batch)
     outputs, max_batch = output_axes(runner, data, partial, where)
-    if primary is not None and primary not in outputs:
+    batched = [name for name, axis in outputs.items() if axis is not None]
+    if primary is not None and primary not in batched:
         raise RecipeError(
-            f"recipe primary_output: {primary!r} is not an output of the model (it returns "
-            f"{', '.join(outputs)}); name one of those"
+            f"recipe primary_output: {primary!r} is not an output of the model with a row per "
+            f"sample (those are {', '.join(batched) or 'none'}); name one of those"
         )
-    return Signature(inputs=axes, outputs=outputs, max_batch=max_batch, primary=primary)
+    if not batched:
+        raise DataError(
+            f"{where}: no output of the model has a batch (rows) axis, so its outputs cannot be "
+            "compared sample by sample; check the inputs' batch axes (recipe inputs:)"
+        )
+    return Signature(
+        inputs=axes, outputs=outputs, max_batch=max_batch, primary=primary or batched[0]
+    )
 
 
 def _eval_rows(
