@@ -12,6 +12,7 @@ import yaml
 from onnx import TensorProto
 
 from fixtures.signatures import (
+    batch_one_in_fact_model,
     fixed_batch_model,
     fixed_batch_samples,
     passthrough_model,
@@ -70,6 +71,14 @@ def test_fixed_batch_of_one_is_fed_row_by_row(tmp_path: Path, fixed: Path) -> No
     one_by_one = [OrtRunner("m", fixed, 1).run({"x": samples["x"][i : i + 1]}) for i in range(9)]
     assert together.shape == (9, 20)
     np.testing.assert_allclose(together, np.concatenate(one_by_one), rtol=0, atol=0)
+
+
+def test_free_batch_axis_that_fails_on_two_rows_is_fed_row_by_row(tmp_path: Path) -> None:
+    model = batch_one_in_fact_model(tmp_path / "m.onnx")
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    t = load_task(str(model), _npz(tmp_path / "s.npz", {"x": x}))
+    assert t.signature is not None and t.signature.max_batch == 1
+    np.testing.assert_array_equal(OrtRunner("m", model, 1, t.signature).run({"x": x}), x)
 
 
 def test_held_out_split_is_disjoint_and_deterministic(tmp_path: Path, recurrent: Path) -> None:
@@ -237,3 +246,16 @@ def test_fixed_batch_model_end_to_end(
         assert c["fidelity"]["outputs"]["y"]["cosine_mean"] > 0.9
     html = (tmp_path / "run-ocr" / "report.html").read_text()
     assert "n/a" in html and "one row per call" in html
+
+
+def test_profile_takes_eval_samples(
+    tmp_path: Path, recurrent: Path, cache: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("SLIMLINE_CACHE", str(cache))
+    a = _npz(tmp_path / "a.npz", recurrent_samples(8, seed=1))
+    b = _npz(tmp_path / "b.npz", recurrent_samples(4, seed=2))
+    out = tmp_path / "run"
+    args = ["profile", str(recurrent), "--samples", a, "--eval-samples", b, "--out", str(out)]
+    assert main([*args, "--threads", "1"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["recipe"]["eval_samples"] == b and "evaluation uses b.npz" in m["task"]["notes"][0]
