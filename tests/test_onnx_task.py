@@ -15,6 +15,7 @@ from fixtures.signatures import (
     batch_one_in_fact_model,
     fixed_batch_model,
     fixed_batch_samples,
+    indexed_model,
     passthrough_model,
     recurrent_model,
     recurrent_samples,
@@ -172,6 +173,21 @@ def test_recipe_axis_hints_are_checked(tmp_path: Path, recurrent: Path) -> None:
     t = load_task(str(recurrent), npz, batch_axes={"state": 1, "sr": None}, primary_output="stateN")
     assert t.signature is not None and t.signature.primary_output == "stateN"
     assert next(iter(t.eval_data()))[1].shape[1:] == (2, 4)  # stateN, rows first
+
+
+def test_samples_the_model_fails_on_get_one_line_with_the_runtimes_cause(tmp_path: Path) -> None:
+    model = indexed_model(tmp_path / "m.onnx")
+    x = np.zeros((4, 3), np.float32)
+    t = load_task(str(model), _npz(tmp_path / "s.npz", {"x": x, "index": np.array(2)}))
+    assert t.signature is not None and t.signature.inputs == {"x": 0, "index": None}
+    with pytest.raises(DataError) as err:
+        load_task(str(model), _npz(tmp_path / "bad.npz", {"x": x, "index": np.array(9)}))
+    msg = str(err.value)
+    assert (
+        "fails on the first sample row" in msg
+        and "out of data bounds, idx=9" in msg
+        and "\n" not in msg
+    )
 
 
 def test_a_fixed_batch_above_one_is_refused(tmp_path: Path) -> None:

@@ -280,7 +280,8 @@ def _probe(runner: Any, inputs: Inputs, sig: Signature, where: str) -> dict[str,
     try:
         return runner.call(inputs)
     except Exception as err:  # ONNX Runtime raises its own Fail/InvalidArgument/... types
-        first = str(err).strip().splitlines()[0][:300]
+        # a failure inside a subgraph nests "Status Message:"s; the innermost names the cause
+        first = str(err).strip().splitlines()[0].split("Status Message: ")[-1][:300]
         raise DataError(
             f"{where}: ONNX Runtime fails on the first sample row ({first}); check the samples' "
             "values (e.g. a sample rate the model does not support)"
