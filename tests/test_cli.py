@@ -86,8 +86,8 @@ def test_profile_onnx_with_mismatched_samples(tmp_path: Path, tiny_task_file: Pa
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: samples s.npz for tiny.onnx: input 'x' is int64 but the model expects float32; "
-        "convert it with .astype(np.float32)"
+        "error: samples s.npz for tiny.onnx: input 'x' is int64, but the model expects float32 "
+        "[batch, 1, 12, 12]; save it with .astype(np.float32)"
     ]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "manifest.json").exists()

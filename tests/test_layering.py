@@ -119,7 +119,8 @@ def test_the_registry_and_leaves_depend_only_on_leaves() -> None:
     leaves = {"slimline.config", "slimline.tensors", "slimline.errors", "slimline.candidate"}
     assert graph["slimline.steps"] <= leaves | {"slimline.discover"}
     assert graph["slimline.config"] == set() and graph["slimline.discover"] == set()
-    assert graph["slimline.tensors"] == {"slimline.errors"}
+    assert graph["slimline.signature"] == set()
+    assert graph["slimline.tensors"] == {"slimline.errors", "slimline.signature"}
 
 
 def test_the_cycle_finder_finds_lazy_and_type_only_cycles(tmp_path: Path) -> None:

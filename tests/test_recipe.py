@@ -81,3 +81,28 @@ def test_relative_task_path_is_relative_to_recipe(tmp_path: Path, tiny_task_file
     f = tmp_path / "r.yaml"
     f.write_text("name: x\ntask: t.py\n")
     assert load_recipe(f).task == str(tmp_path / "t.py")
+
+
+def test_onnx_task_keys_round_trip_and_are_typed(tmp_path: Path) -> None:
+    data = {
+        "name": "vad",
+        "task": "vad.onnx",
+        "samples": "calib.npz",
+        "eval_samples": "held.npz",
+        "inputs": {"state": {"batch_axis": 1}, "sr": {"batch_axis": None}},
+        "primary_output": "output",
+    }
+    r = recipe_from_dict(data)
+    assert r.batch_axes() == {"state": 1, "sr": None}
+    assert recipe_from_dict(r.to_dict()) == r
+    f = tmp_path / "r.yaml"
+    f.write_text(r.to_yaml())
+    assert load_recipe(f).eval_samples == str(tmp_path / "held.npz")
+    with pytest.raises(RecipeError, match=r"inputs\.sr\.batch_axis: Field required"):
+        recipe_from_dict({**data, "inputs": {"sr": {}}})
+    with pytest.raises(RecipeError, match=r"inputs\.sr\.axis: unknown key"):
+        recipe_from_dict({**data, "inputs": {"sr": {"batch_axis": None, "axis": 0}}})
+    with pytest.raises(RecipeError, match="greater than or equal to 0"):
+        recipe_from_dict({**data, "inputs": {"sr": {"batch_axis": -1}}})
+    with pytest.raises(RecipeError, match="eval_samples applies to an ONNX task"):
+        recipe_from_dict({**data, "task": "mnist"})

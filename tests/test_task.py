@@ -64,7 +64,12 @@ def test_onnx_task_metric_is_fidelity(onnx_file: Path, tmp_path: Path) -> None:
     t = load_task(str(onnx_file), str(npz))
     assert t.metric_name == "fidelity" and t.is_onnx
     batches = list(t.eval_data())
-    assert sum(len(b[0]["x"]) for b in batches) == 20
+    # a quarter of the rows is held out for evaluation, the rest calibrates; none is shared
+    assert sum(len(b[0]["x"]) for b in batches) == 5
+    calib = np.concatenate([b["x"] for b in t.calibration_data()])
+    held = np.concatenate([b[0]["x"] for b in batches])
+    assert len(calib) == 15 and not (calib[:, None] == held[None]).all((2, 3, 4)).any()
+    assert "5 of the 20 sample rows" in t.notes[0]
     outs = np.concatenate([lab for _, lab in batches])
     assert t.metric(outs, outs) == pytest.approx(1.0)
     assert t.metric(-outs, outs) == pytest.approx(-1.0)

@@ -76,6 +76,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         name=name,
         task=str(Path(args.task).resolve()) if args.task.endswith((".py", ".onnx")) else args.task,
         samples=str(Path(args.samples).resolve()) if args.samples else None,
+        eval_samples=str(Path(args.eval_samples).resolve()) if args.eval_samples else None,
     )
     recipe = _apply_overrides(recipe, args)
     run = run_recipe(recipe, args.out, cache=args.cache, remeasure=args.remeasure)
@@ -157,6 +158,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("task", help="example name, task .py file, or model .onnx file")
     p.add_argument("--samples", help=".npz of sample inputs (for an .onnx task)")
+    p.add_argument(
+        "--eval-samples",
+        help=".npz of evaluation inputs (for an .onnx task); default: rows held out of --samples",
+    )
     _common(p)
     p.set_defaults(func=cmd_profile)
 

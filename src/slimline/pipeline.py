@@ -100,7 +100,13 @@ def run_recipe(
     """Run ``recipe`` end to end; returns the finished :class:`Run` (manifest already written)."""
     from .report.html import write_report  # late: report sections import optional modules
 
-    task = load_task(recipe.task, recipe.samples)
+    task = load_task(
+        recipe.task,
+        recipe.samples,
+        recipe.eval_samples,
+        batch_axes=recipe.batch_axes(),
+        primary_output=recipe.primary_output,
+    )
     problem = check_order(recipe.steps, start_forms(task.is_onnx))
     if problem:  # the recipe checked the task's file name; this checks what it loaded
         raise RecipeError(f"recipe {recipe.name}: {problem}")
@@ -172,7 +178,7 @@ def _baselines(run: Run) -> None:
 
 def _reference(run: Run, cand: Candidate) -> Reference:
     with _timed("FP32 reference outputs"):
-        runner = make_runner(cand, run.threads)
+        runner = make_runner(cand, run.threads, run.task.signature)
         return make_reference(runner, run.task, run.recipe.bench.eval_limit)
 
 
@@ -384,7 +390,7 @@ def _judge_size(parent: Candidate, cand: Candidate, min_gain: float, why: str) -
 
 def _quality(run: Run, cand: Candidate) -> Quality:
     assert run.reference is not None
-    runner = make_runner(cand, run.threads)
+    runner = make_runner(cand, run.threads, run.task.signature)
     return evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
 
 
@@ -400,6 +406,7 @@ def _compare(
         run.threads,
         throughput=False,
         desc="compare " + " vs ".join(c.name for c in cands),
+        signature=run.task.signature,
     )
 
 
@@ -457,7 +464,14 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     sample = run.task.sample_inputs(max(bench.batch_sizes))
     before = _load_check(run, "before")
     with _timed("benchmark (interleaved)"):
-        figures = benchmark(cands, sample, bench, run.threads, desc="measure all candidates")
+        figures = benchmark(
+            cands,
+            sample,
+            bench,
+            run.threads,
+            desc="measure all candidates",
+            signature=run.task.signature,
+        )
     if _baseline_drift(figures) is not None:
         # The machine changed speed mid-benchmark. Time batch 1 again with twice the rounds
         # and pool them: more pairs, so a round split across two speed modes moves the median
@@ -471,6 +485,7 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             run.threads,
             throughput=False,
             desc="measure again (drift)",
+            signature=run.task.signature,
         )
         for c in cands:
             f, g = figures[c.name], again[c.name]
@@ -487,13 +502,16 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
         "cores": os.cpu_count(),
         "threads": run.threads,
     }
+    sig = run.task.signature
+    # a model that takes one row per call is measured on one row; its runner is a plain session
+    rss_sample = sample if sig is None or sig.max_batch is None else run.task.sample_inputs(1)
     for c in cands:
         q = _quality(run, c)
         f = figures[c.name]
         f["metric"] = {"name": run.task.metric_name, "value": q.metric}
         f["fidelity"] = q.fidelity_dict()
         f["size_bytes"], f["params"] = _size(c), _params(c)
-        rss = peak_rss(c, sample, run.threads, run.task.source) if bench.peak_rss else None
+        rss = peak_rss(c, rss_sample, run.threads, run.task.source) if bench.peak_rss else None
         f["peak_rss_mb"] = rss["peak_rss_mb"] if rss else None
         f["rss"] = rss
     return figures
@@ -623,6 +641,8 @@ def write_manifest(run: Run, status: str) -> None:
             "metric_name": task.metric_name,
             "output_kind": task.output_kind,
             "inputs": _input_spec(run),
+            "signature": task.signature.to_dict() if task.signature else None,
+            "notes": task.notes,
         },
         "hashes": run.hashes,
         "versions": run.versions,

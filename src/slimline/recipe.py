@@ -27,6 +27,7 @@ __all__ = [
     "BenchConfig",
     "BudgetConfig",
     "Config",
+    "InputConfig",
     "Recipe",
     "StepConfig",
     "TargetConfig",
@@ -83,11 +84,28 @@ class BenchConfig(Config):
         return self
 
 
+class InputConfig(Config):
+    """How an ONNX task's input is batched, where slimline cannot infer it from the model."""
+
+    batch_axis: int | None = Field(
+        ..., ge=0, description="the axis holding the rows; null: none, passed whole to every call"
+    )
+
+
 class Recipe(Config):
     version: Literal[1] = RECIPE_VERSION
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     task: str = Field(..., description="example name, task .py file, or model .onnx file")
     samples: str | None = Field(None, description=".npz of sample inputs, for an ONNX task")
+    eval_samples: str | None = Field(
+        None, description=".npz of evaluation inputs (ONNX task); default: rows held out of samples"
+    )
+    inputs: dict[str, InputConfig] = Field(
+        default_factory=dict, description="ONNX task: batch axis per input name, where ambiguous"
+    )
+    primary_output: str | None = Field(
+        None, description="ONNX task: the output the metric reads; default: the first"
+    )
     target: TargetConfig = Field(default_factory=TargetConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
@@ -134,6 +152,21 @@ class Recipe(Config):
                 value = getattr(value, part)
             out[path] = value.key_dict() if isinstance(value, Config) else value
         return out
+
+    @model_validator(mode="after")
+    def _onnx_keys_need_onnx(self) -> Recipe:
+        onnx_only = {"eval_samples": self.eval_samples, "inputs": self.inputs}
+        onnx_only["primary_output"] = self.primary_output
+        given = [k for k, v in onnx_only.items() if v]
+        if given and not self.task.endswith(".onnx"):
+            raise ValueError(
+                f"{given[0]} applies to an ONNX task (task: model.onnx); remove it for "
+                f"task {self.task!r}"
+            )
+        return self
+
+    def batch_axes(self) -> dict[str, int | None]:
+        return {name: cfg.batch_axis for name, cfg in self.inputs.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that :func:`recipe_from_dict` turns back into an equal recipe."""
@@ -188,7 +221,7 @@ def load_recipe(path: str | Path) -> Recipe:
     recipe = recipe_from_dict(data, str(p))
     # relative task/sample paths are relative to the recipe file
     updates: dict[str, Any] = {}
-    for key in ("task", "samples"):
+    for key in ("task", "samples", "eval_samples"):
         val = getattr(recipe, key)
         if val and (val.endswith((".py", ".onnx", ".npz"))) and not Path(val).is_absolute():
             updates[key] = str((p.parent / val).resolve())

@@ -19,8 +19,10 @@ name               required    what it is
 =================  ==========  ==============================================================
 
 An ONNX file plus an ``.npz`` of sample inputs is a task too: its model is the ONNX graph, its
-calibration and evaluation inputs are the samples, and its metric is the mean cosine of the
-outputs to the FP32 model's own outputs (``fidelity``).
+calibration and evaluation inputs are the samples (evaluation rows held out, or a second file),
+and its metric is the mean cosine of the outputs to the FP32 model's own outputs (``fidelity``).
+Its :class:`~slimline.signature.Signature` says where each input's batch axis is; a task without
+one (every Python task) has the batch on axis 0 of every input.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from .errors import TaskError
+from .signature import Signature, n_rows, slice_rows
 from .taskspec import OutputKind, Task
 from .tensors import Inputs, check_inputs, take_samples
 
@@ -42,12 +45,25 @@ EXAMPLES_PACKAGE = "slimline.examples"
 _REQUIRED = ("model", "calibration_data", "eval_data", "metric")
 
 
-def load_task(spec: str, samples: str | None = None) -> Task:
+def load_task(
+    spec: str,
+    samples: str | None = None,
+    eval_samples: str | None = None,
+    *,
+    batch_axes: dict[str, int | None] | None = None,
+    primary_output: str | None = None,
+) -> Task:
     """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples."""
     if spec.endswith(".onnx"):
         from .onnx_task import onnx_task
 
-        return onnx_task(Path(spec), Path(samples) if samples else None)
+        return onnx_task(
+            Path(spec),
+            Path(samples) if samples else None,
+            Path(eval_samples) if eval_samples else None,
+            batch_axes=batch_axes,
+            primary_output=primary_output,
+        )
     if spec.endswith(".py"):
         return _task_from_module(_import_file(Path(spec)), spec, Path(spec).stem)
     return _task_from_module(_import_example(spec), spec, spec)
@@ -108,13 +124,15 @@ def _task_from_module(module: Any, source: str, default_name: str) -> Task:
     )
 
 
-def iter_rows(batches: Iterable[Inputs], limit: int | None) -> Iterator[Inputs]:
-    """Yield batches, cut so that at most ``limit`` rows in total come out."""
+def iter_rows(
+    batches: Iterable[Inputs], limit: int | None, sig: Signature | None = None
+) -> Iterator[Inputs]:
+    """Yield batches, cut (along their batch axes) so that at most ``limit`` rows come out."""
     seen = 0
     for b in batches:
-        n = len(next(iter(b.values())))
+        n = n_rows(b, sig)
         if limit is not None and seen + n > limit:
-            b = {k: v[: limit - seen] for k, v in b.items()}
+            b = slice_rows(b, 0, limit - seen, sig)
             n = limit - seen
         if n > 0:
             yield b

@@ -7,13 +7,14 @@ without depending on each other.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 from .errors import DataError
+from .signature import Signature
 from .tensors import Inputs, take_samples
 
 __all__ = ["OutputKind", "Task"]
@@ -35,6 +36,8 @@ class Task:
     train_data: Callable[[], Iterable[tuple[Inputs, Any]]] | None = None
     loss: Callable[[Any, Any], Any] | None = None
     module: Any = None  # the loaded task module, for task-specific extras
+    signature: Signature | None = None  # batch axes; None: axis 0 of every input, one output
+    notes: list[str] = field(default_factory=list)  # how the data was used, for the report
 
     @property
     def is_onnx(self) -> bool:
@@ -42,7 +45,7 @@ class Task:
 
     def sample_inputs(self, batch: int = 1) -> Inputs:
         """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
-        rows = take_samples(self.calibration_data(), batch)
+        rows = take_samples(self.calibration_data(), batch, self.signature)
         if not rows:
             raise DataError(
                 f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"

@@ -76,6 +76,7 @@ def _calibrate(
         threads=ctx.threads,
         eval_batches=_eval_inputs(ctx),
         eval_samples=cfg.representativeness_samples,
+        signature=ctx.task.signature,
     )
     if calib.samples < FEW_SAMPLES:
         ctx.warn(

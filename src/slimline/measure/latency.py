@@ -15,12 +15,14 @@ from tqdm import tqdm
 
 from ..candidate import Candidate
 from ..recipe import BenchConfig
+from ..signature import Signature, tile_rows
 from ..task import Inputs
 from .runners import Runner, make_runner
 
 __all__ = [
     "SIGN_TEST_ALPHA",
     "benchmark",
+    "fixed_batch_note",
     "paired_speedup",
     "pool_rounds",
     "round_drift",
@@ -40,11 +42,21 @@ _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 DRIFT_SPREAD = 1.25
 
 
-def tile_batch(sample: Inputs, batch: int) -> Inputs:
-    """A batch of exactly ``batch`` rows, repeating ``sample``'s rows if it has fewer."""
-    n = len(next(iter(sample.values())))
-    reps = -(-batch // n)
-    return {k: np.concatenate([v] * reps)[:batch] for k, v in sample.items()}
+def tile_batch(sample: Inputs, batch: int, sig: Signature | None = None) -> Inputs:
+    """A batch of exactly ``batch`` rows (along each input's batch axis), repeating
+    ``sample``'s rows if it has fewer."""
+    return tile_rows(sample, batch, sig)
+
+
+def fixed_batch_note(sig: Signature | None, batch_sizes: list[int]) -> dict[str, str]:
+    """Batch sizes whose throughput is not measured, with why: the model takes fewer rows."""
+    if sig is None:
+        return {}
+    return {
+        str(b): f"the model takes at most {sig.max_batch} row(s) per call (a fixed batch)"
+        for b in batch_sizes
+        if not sig.allows(b)
+    }
 
 
 def summarize_latency(rounds: list[np.ndarray]) -> dict[str, Any]:
@@ -180,11 +192,15 @@ def benchmark(
     *,
     throughput: bool = True,
     desc: str = "benchmark",
+    signature: Signature | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Latency at batch 1 (and throughput per batch size) of each candidate, interleaved."""
-    runners = [make_runner(c, threads) for c in cands]
-    one = tile_batch(sample, 1)
-    batches = {b: tile_batch(sample, b) for b in bench.batch_sizes} if throughput else {}
+    """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
+    interleaved."""
+    runners = [make_runner(c, threads, signature) for c in cands]
+    one = tile_batch(sample, 1, signature)
+    sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
+    batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
+    not_applicable = fixed_batch_note(signature, bench.batch_sizes) if throughput else {}
     for r in runners:
         for _ in range(bench.warmup):
             r.run(one)
@@ -212,5 +228,7 @@ def benchmark(
         if tp:
             entry["throughput"] = {str(b): float(np.median(v)) for b, v in tp.items()}
             entry["throughput_band"] = {str(b): [min(v), max(v)] for b, v in tp.items()}
+        if not_applicable:
+            entry["throughput_not_applicable"] = not_applicable
         results[c.name] = entry
     return results

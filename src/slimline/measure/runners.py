@@ -1,4 +1,9 @@
-"""One small interface per runtime: ``Runner.run(inputs) -> first output as np.ndarray``.
+"""One small interface per runtime: ``Runner.run(inputs)`` -> the primary output (the first,
+unless the task's signature names another), ``Runner.run_all(inputs)`` -> every output by name.
+
+A runner given a :class:`~slimline.signature.Signature` forms the model's batches itself: a model
+that takes one row per call gets the rows in turn, and their outputs are joined along each
+output's batch axis.
 
 ONNX Runtime sessions are pinned to the target's thread count (intra-op = threads, inter-op = 1,
 sequential execution); torch runs with ``torch.set_num_threads(threads)`` in inference mode.
@@ -13,6 +18,7 @@ import numpy as np
 
 from ..candidate import Candidate
 from ..errors import InputMismatchError, ModelFileError
+from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
 from ..tensors import Inputs, check_inputs
 
 __all__ = [
@@ -30,6 +36,8 @@ class Runner(Protocol):
     name: str
 
     def run(self, inputs: Inputs) -> np.ndarray: ...
+
+    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]: ...
 
 
 ORT_TO_NP = {
@@ -97,17 +105,57 @@ def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
 
 
 class OrtRunner:
-    def __init__(self, name: str, path: Path, threads: int) -> None:
+    def __init__(
+        self, name: str, path: Path, threads: int, signature: Signature | None = None
+    ) -> None:
         self.name = name
         self.session = ort_session(path, threads)
         self.spec = session_input_spec(self.session)
+        self.signature = signature
+        self.output_names = [o.name for o in self.session.get_outputs()]
         self._checked = False
 
-    def run(self, inputs: Inputs) -> np.ndarray:
+    @property
+    def model_inputs(self) -> dict[str, Any]:
+        """Input name -> dtype and dims as the model declares them (named free dims kept)."""
+        return {
+            i.name: ModelInput(ORT_TO_NP.get(i.type, i.type), list(i.shape))
+            for i in self.session.get_inputs()
+        }
+
+    @property
+    def output_dims(self) -> dict[str, list[Any]]:
+        return {o.name: list(o.shape) for o in self.session.get_outputs()}
+
+    def call(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        """One session call, no batching."""
+        return dict(zip(self.output_names, self.session.run(None, inputs), strict=True))
+
+    def _check(self, inputs: Inputs) -> None:
         if not self._checked:
-            check_inputs(inputs, self.spec, f"model {self.name}")
+            check_inputs(inputs, self.spec, f"model {self.name}", self.signature)
             self._checked = True
-        return self.session.run(None, inputs)[0]
+
+    def _row_by_row(self, inputs: Inputs) -> bool:
+        sig = self.signature
+        return sig is not None and sig.max_batch == 1 and n_rows(inputs, sig) > 1
+
+    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        self._check(inputs)
+        if self._row_by_row(inputs):
+            parts = [self.call(row) for row in split_rows(inputs, 1, self.signature)]
+            return concat_outputs(parts, self.signature, stack_unbatched=False)
+        return self.call(inputs)
+
+    def run(self, inputs: Inputs) -> np.ndarray:
+        self._check(inputs)
+        primary = (self.signature.primary_output if self.signature else None) or self.output_names[
+            0
+        ]
+        if self._row_by_row(inputs):
+            return self.run_all(inputs)[primary]
+        # every output is computed, as a served model computes them all
+        return self.session.run(None, inputs)[self.output_names.index(primary)]
 
 
 class TorchRunner:
@@ -136,10 +184,13 @@ class TorchRunner:
             out = out[0]
         return out.detach().float().numpy()
 
+    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        return {"output": self.run(inputs)}
 
-def make_runner(cand: Candidate, threads: int) -> Runner:
+
+def make_runner(cand: Candidate, threads: int, signature: Signature | None = None) -> Runner:
     if cand.onnx is not None:
-        return OrtRunner(cand.name, cand.onnx, threads)
+        return OrtRunner(cand.name, cand.onnx, threads, signature)
     if cand.module is not None:
         return TorchRunner(cand.name, cand.module, threads)
     raise ValueError(f"candidate {cand.name} has nothing to run")

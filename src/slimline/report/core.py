@@ -37,6 +37,60 @@ def run_facts(m: dict[str, Any], run_dir: Path) -> str:
     return out
 
 
+@section(5, "Inputs and data")
+def inputs_and_data(m: dict[str, Any], run_dir: Path) -> str | None:
+    """Where each input's batch axis is, and how the data was split (ONNX tasks)."""
+    task = m.get("task", {})
+    sig, notes = task.get("signature"), task.get("notes") or []
+    if not sig and not notes:
+        return None
+    out = ""
+    if sig:
+        spec = task.get("inputs") or {}
+        rows = [
+            [
+                html.escape(name),
+                (spec.get(name) or {}).get("dtype"),
+                html.escape(str((spec.get(name) or {}).get("shape"))),
+                _axis_text(v["batch_axis"]),
+            ]
+            for name, v in sig["inputs"].items()
+        ]
+        rows += [
+            [f"{html.escape(name)} (output)", "", "", _axis_text(v["batch_axis"])]
+            for name, v in sig["outputs"].items()
+        ]
+        out += table(["name", "dtype", "model shape", "batch axis"], rows)
+        if sig.get("max_batch") == 1:
+            out += "<p>The model takes one row per call: rows are fed in turn.</p>"
+        out += f"<p>Task metric on output <b>{html.escape(str(sig['primary_output']))}</b>.</p>"
+    return out + "".join(f"<p>{html.escape(n)}</p>" for n in notes)
+
+
+def _axis_text(axis: int | None) -> str:
+    return "none (passed whole to every call)" if axis is None else str(axis)
+
+
+@section(15, "Fidelity per output")
+def fidelity_per_output(m: dict[str, Any], run_dir: Path) -> str | None:
+    rows = [
+        [
+            html.escape(c["name"]),
+            html.escape(name),
+            f.get("cosine_mean"),
+            f.get("cosine_min"),
+            f.get("max_abs_err"),
+        ]
+        for c in m["candidates"]
+        for name, f in ((c.get("fidelity") or {}).get("outputs") or {}).items()
+    ]
+    if len({r[1] for r in rows}) < 2:
+        return None
+    return table(["candidate", "output", "mean cosine", "min cosine", "max abs err"], rows) + (
+        "<p>The budget's cosine applies to the worst output.</p>"
+    )
+
+
 @section(10, "Candidates")
 def candidates(m: dict[str, Any], run_dir: Path) -> str:
     headers, rows = summary_rows(m)
@@ -70,14 +124,26 @@ def latency_cdf(m: dict[str, Any], run_dir: Path) -> str | None:
 
 @section(30, "Throughput by batch size")
 def throughput(m: dict[str, Any], run_dir: Path) -> str | None:
-    rows = [(c["name"], c["throughput"]) for c in m["candidates"] if c.get("throughput")]
+    rows = [
+        (c["name"], {**c.get("throughput_not_applicable", {}), **c["throughput"]})
+        for c in m["candidates"]
+        if c.get("throughput")
+    ]
     if not rows:
         return None
     sizes = sorted({int(b) for _, tp in rows for b in tp})
-    return table(
+    out = table(
         ["candidate", *[f"batch {b} (items/s)" for b in sizes]],
-        [[n, *[tp.get(str(b)) for b in sizes]] for n, tp in rows],
+        [[n, *[_na(tp.get(str(b))) for b in sizes]] for n, tp in rows],
     )
+    reasons = {
+        r for c in m["candidates"] for r in (c.get("throughput_not_applicable") or {}).values()
+    }
+    return out + "".join(f"<p>n/a: {html.escape(r)}</p>" for r in sorted(reasons))
+
+
+def _na(value: Any) -> Any:
+    return "n/a" if isinstance(value, str) else value
 
 
 @section(40, "Per-operator time (ONNX Runtime profiler)")

@@ -251,6 +251,7 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
         s.eval_inputs(),
         s.cfg.layerwise_samples,
         s.ctx.threads,
+        s.ctx.task.signature,
     )
     ranking = [r["node"] for r in rows if r["sqnr_db"] is not None]
     if not ranking:
@@ -316,4 +317,5 @@ def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
         s.eval_inputs(),
         s.cfg.layerwise_samples,
         s.ctx.threads,
+        s.ctx.task.signature,
     )

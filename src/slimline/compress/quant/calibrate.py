@@ -27,6 +27,7 @@ import numpy as np
 
 from ...errors import DataError
 from ...measure.runners import ort_session, session_input_spec
+from ...signature import Signature, batch_axis, concat_rows, n_rows, slice_rows
 from ...task import Inputs, check_inputs, iter_rows
 from .prepare import quiet
 
@@ -112,35 +113,36 @@ class Calibration:
         }
 
 
-def rebatch(batches: Iterable[Inputs], rows: int, limit: int | None) -> Iterator[Inputs]:
-    """Re-cut ``batches`` into chunks of exactly ``rows`` rows (the last may be shorter; rows of
-    different shapes are never merged), up to ``limit`` rows in total."""
+def rebatch(
+    batches: Iterable[Inputs], rows: int, limit: int | None, sig: Signature | None = None
+) -> Iterator[Inputs]:
+    """Re-cut ``batches`` into chunks of exactly ``rows`` rows along each input's batch axis
+    (the last may be shorter; rows of different shapes are never merged), up to ``limit`` rows
+    in total."""
     buf: list[Inputs] = []
     have = 0
-    for b in iter_rows(batches, limit):
-        n, start = len(next(iter(b.values()))), 0
+    for b in iter_rows(batches, limit, sig):
+        n, start = n_rows(b, sig), 0
         while start < n:
-            if buf and not _same_shapes(buf[0], b):
-                yield _concat(buf)
+            if buf and not _same_shapes(buf[0], b, sig):
+                yield concat_rows(buf, sig)
                 buf, have = [], 0
             take = min(rows - have, n - start)
-            buf.append({k: v[start : start + take] for k, v in b.items()})
+            buf.append(slice_rows(b, start, start + take, sig))
             have, start = have + take, start + take
             if have == rows:
-                yield _concat(buf)
+                yield concat_rows(buf, sig)
                 buf, have = [], 0
     if buf:
-        yield _concat(buf)
+        yield concat_rows(buf, sig)
 
 
-def _same_shapes(a: Inputs, b: Inputs) -> bool:
-    return all(a[k].shape[1:] == b[k].shape[1:] and a[k].dtype == b[k].dtype for k in a)
+def _same_shapes(a: Inputs, b: Inputs, sig: Signature | None) -> bool:
+    def row_shape(name: str, arr: np.ndarray) -> tuple[int, ...]:
+        axis = batch_axis(sig, name)
+        return arr.shape if axis is None else arr.shape[:axis] + arr.shape[axis + 1 :]
 
-
-def _concat(parts: list[Inputs]) -> Inputs:
-    if len(parts) == 1:
-        return parts[0]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return all(row_shape(k, a[k]) == row_shape(k, b[k]) and a[k].dtype == b[k].dtype for k in a)
 
 
 class RssSampler:
@@ -186,12 +188,14 @@ def calibrate(
     threads: int = 1,
     eval_batches: Iterable[Inputs] | None = None,
     eval_samples: int = 64,
+    signature: Signature | None = None,
 ) -> Calibration:
     """Run ``model`` (a prepared float graph) on up to ``samples`` rows of ``batches`` in chunks.
 
     ``methods`` is a subset of {"minmax", "percentile", "entropy"}; a cache is written for each.
     When ``eval_batches`` is given, up to ``eval_samples`` of its rows are checked against the
-    calibrated ranges (see :func:`_representativeness`).
+    calibrated ranges (see :func:`_representativeness`). ``signature`` says where each input's
+    batch axis is, and caps the rows per call of a model that takes one at a time.
     """
     from onnxruntime.quantization import CalibrationMethod, create_calibrator
 
@@ -209,9 +213,11 @@ def calibrate(
         session = ort_session(out_dir / "augmented.onnx", threads, level="basic")
         wanted = sorted(calibrator.tensors_to_calibrate)
         acc = _Accumulator(methods, percentile, symmetric)
-        n, chunk_rows = _collect(session, wanted, batches, samples, chunk_mb, acc)
+        n, chunk_rows = _collect(session, wanted, batches, samples, chunk_mb, acc, signature)
         caches = acc.write_caches(out_dir)
-        rep = _representativeness(session, wanted, acc.moments, eval_batches, eval_samples)
+        rep = _representativeness(
+            session, wanted, acc.moments, eval_batches, eval_samples, signature
+        )
     return Calibration(
         caches=caches,
         stats=acc.tensor_stats(),
@@ -232,9 +238,10 @@ def _collect(
     samples: int,
     chunk_mb: int,
     acc: _Accumulator,
+    sig: Signature | None = None,
 ) -> tuple[int, int]:
     spec = session_input_spec(session)
-    it = iter(rebatch(batches, 1, samples))
+    it = iter(rebatch(batches, 1, samples, sig))
     first = next(it, None)
     if first is None:
         raise DataError(
@@ -243,11 +250,13 @@ def _collect(
     check_inputs(first, spec, "calibration data")
     per_row = acc.fold(session, wanted, first)
     chunk_rows = int(max(1, min(_MAX_CHUNK_ROWS, chunk_mb * 2**20 // max(per_row, 1))))
+    if sig is not None and sig.max_batch is not None:
+        chunk_rows = min(chunk_rows, sig.max_batch)
     seen = 1
-    for chunk in rebatch(it, chunk_rows, None):
+    for chunk in rebatch(it, chunk_rows, None, sig):
         check_inputs(chunk, spec, "calibration data")
         acc.fold(session, wanted, chunk)
-        seen += len(next(iter(chunk.values())))
+        seen += n_rows(chunk, sig)
     return seen, chunk_rows
 
 
@@ -373,6 +382,7 @@ def _representativeness(
     moments: dict[str, TensorStats],
     batches: Iterable[Inputs] | None,
     limit: int,
+    sig: Signature | None = None,
 ) -> dict[str, Any]:
     """Per tensor: the share of evaluation samples whose values leave the calibrated range by more
     than 5% of its width, and the largest overshoot (in range widths)."""
@@ -382,7 +392,7 @@ def _representativeness(
     hits = dict.fromkeys(names, 0)
     worst = dict.fromkeys(names, 0.0)
     n = 0
-    for row in rebatch(batches, 1, limit):
+    for row in rebatch(batches, 1, limit, sig):
         for name, arr in zip(names, session.run(names, row), strict=True):
             m = moments[name]
             width = max(m.hi - m.lo, 1e-12)

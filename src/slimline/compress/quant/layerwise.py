@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ...measure.runners import ort_session
+from ...signature import Signature
 from ...task import Inputs
 from .calibrate import rebatch
 from .prepare import COMPUTE_OPS
@@ -179,8 +180,10 @@ def layer_errors(
     batches: Iterable[Inputs],
     samples: int,
     threads: int = 1,
+    signature: Signature | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows {node, op_type, sqnr_db, cosine, local_sqnr_db, local_cosine}, worst local first."""
+    """Rows {node, op_type, sqnr_db, cosine, local_sqnr_db, local_cosine}, worst local first.
+    ``signature`` says where each input's batch axis is (rows are fed one at a time)."""
     f, q = _Graph(onnx.load(str(float_path))), _Graph(onnx.load(str(quant_path)))
     probes = _probes(f, q, nodes)
     if not probes:
@@ -200,7 +203,7 @@ def layer_errors(
                 p.local = ort_session(path, threads, level="basic")
         acc = {p.node: np.zeros(4) for p in probes}
         local = {p.node: np.zeros(4) for p in probes}
-        for row in rebatch(batches, 1, samples):
+        for row in rebatch(batches, 1, samples, signature):
             fo = dict(zip(f_names, fs.run(f_names, row), strict=True))
             qo = dict(zip(q_names, qs.run(q_names, row), strict=True))
             for p in probes:
