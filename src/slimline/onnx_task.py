@@ -54,7 +54,7 @@ def onnx_task(path: Path, samples: Path | None) -> Task:
             f"ONNX task {path} needs sample inputs: pass --samples inputs.npz (arrays keyed by input name)"
         )
     data = load_samples(samples)
-    runner = OrtRunner(path.stem, path, 1)  # raises ModelFileError on a corrupt file
+    runner = OrtRunner(path.stem, path, 1, user_model=True)  # ModelFileError if ORT refuses it
     check_inputs(data, runner.spec, f"samples {samples.name} for {path.name}")
 
     def batches() -> Iterator[Inputs]:
