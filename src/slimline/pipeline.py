@@ -119,7 +119,10 @@ def run_recipe(
         _measure_all(run)
         _profile(run)
     except Exception as err:
-        raise _stop(run, err) from err
+        stopped = _stop(run, err)
+        if stopped is err:
+            raise
+        raise stopped from err
     write_manifest(run, "complete")
     write_report(run.out)
     return run
@@ -246,7 +249,8 @@ def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[
         if is_user_error(err):
             raise
         details = err.details if isinstance(err, StepError) else {}
-        raise StepError(
+        kind = type(err) if isinstance(err, StepError) else StepError  # ExportError stays one
+        raise kind(
             f"step {cfg.kind} failed on {cand.name}: {error_text(err)}",
             details={**details, "warnings": ctx.warnings},
         ) from err
