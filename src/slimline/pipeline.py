@@ -117,7 +117,7 @@ def run_recipe(
             _run_step(run, cfg)
             write_manifest(run, "running")
         _measure_all(run)
-        _profile(run)
+        _profile_or_warn(run)
     except Exception as err:
         stopped = _stop(run, err)
         if stopped is err:
@@ -145,6 +145,18 @@ def _stop(run: Run, err: Exception) -> SlimlineError:
         log.warning("report of the failed run not written: %s", error_text(report_err))
     log.error("run failed; manifest and report: %s", run.out)
     return err
+
+
+def _profile_or_warn(run: Run) -> None:
+    """The per-operator profile and weight statistics add to a run; their failure only warns."""
+    try:
+        _profile(run)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        msg = f"per-operator profile not recorded: {error_text(err)}"
+        run.warnings.append(msg)
+        log.warning(msg)
 
 
 def _steps_after_export(recipe: Recipe) -> list[StepConfig]:
