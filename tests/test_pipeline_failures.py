@@ -16,7 +16,7 @@ from slimline.candidate import Candidate
 from slimline.cli import main
 from slimline.compress.graph import GraphConfig, graph_step
 from slimline.compress.quant import auto
-from slimline.errors import ExportError
+from slimline.errors import DataError, ExportError
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
@@ -137,3 +137,19 @@ def test_a_failed_baseline_export_ends_the_run_with_manifest_report_and_exit_3(
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and lines[-1].startswith("error: step export failed on fp32-torch: ")
     assert "exported ONNX disagrees with PyTorch" in lines[-1]
+
+
+def test_a_user_error_inside_a_step_still_fails_fast(
+    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def bad_data(cfg: GraphConfig, cand: Candidate, ctx: Any) -> Candidate:
+        raise DataError("calibration_data() yielded no samples; give it input batches")
+
+    _replace_graph_step(monkeypatch, bad_data)
+    tiny_recipe["steps"] = ["export", {"graph": {"level": "basic"}}, {"graph": {}}]
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match="yielded no samples"):
+        run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
+    m = _manifest(out)
+    assert m["status"] == "failed" and m["failure"]["user_error"] is True
+    assert [c["name"] for c in m["candidates"]] == ["fp32-torch", "fp32-onnx"]
