@@ -413,7 +413,7 @@ def onnx_task(
             f"ONNX task {path} needs sample inputs: pass --samples inputs.npz (arrays keyed by input name)"
         )
     data = load_samples(samples)
-    runner = OrtRunner(path.stem, path, 1)  # raises ModelFileError on a corrupt file
+    runner = OrtRunner(path.stem, path, 1, user_model=True)  # ModelFileError if ORT refuses it
     where = f"samples {samples.name} for {path.name}"
     sig = _signature(runner, data, batch_axes or {}, primary_output, where)
     runner.signature = sig

@@ -8,9 +8,14 @@ Order of work:
    inputs; a rerun (or a resumed run) reuses it. The new candidate is kept only if it meets the
    budget AND is measurably faster (or smaller, when the objective is size) than its parent;
    otherwise it is recorded as rejected with the measured reason and the next step starts from
-   the parent;
+   the parent. A step that fails (an exporter, a pruning library, the quantizer), or whose
+   output fails its check (``onnx.checker`` plus an ONNX Runtime load), evaluation or timing, is
+   recorded the same way, rejected with the error as its reason; only an error in the user's
+   input (:func:`errors.is_user_error`) stops the run at once;
 3. measure every candidate of the chain interleaved (latency, throughput, RSS, size, metric,
-   fidelity) and write the manifest, the artifacts and the report, atomically.
+   fidelity) and write the manifest, the artifacts and the report, atomically. When nothing
+   can run any more (no FP32 baseline), the run stops with the manifest (status ``failed``,
+   the reason) and the report written, and raises.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ import numpy as np
 from .cache import StepCache
 from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext, step_key_parts
-from .errors import RecipeError, SlimlineError, StepError
+from .errors import RecipeError, SlimlineError, StepError, error_text, is_user_error
 from .export import ExportConfig
 from .measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift, speed_verdict
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
-from .measure.runners import make_runner
+from .measure.runners import check_candidate, make_runner
 from .paths import cache_dir
 from .recipe import BenchConfig, Recipe, StepConfig
 from .record import (
@@ -69,7 +74,7 @@ class Run:
     versions: dict[str, Any] = field(default_factory=versions)
     chain: list[Candidate] = field(default_factory=list)
     alternatives: list[Candidate] = field(default_factory=list)
-    failed: dict[str, str] | None = None
+    failed: dict[str, Any] | None = None
     reference: Reference | None = None
     warnings: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # profiles, distributions, step records
@@ -125,14 +130,46 @@ def run_recipe(
             _run_step(run, cfg)
             write_manifest(run, "running")
         _measure_all(run)
-        _profile(run)
-    except SlimlineError as err:
-        run.failed = {"error": str(err), "type": type(err).__name__}
-        write_manifest(run, "failed")
-        raise
+        _profile_or_warn(run)
+    except Exception as err:
+        stopped = _stop(run, err)
+        if stopped is err:
+            raise
+        raise stopped from err
     write_manifest(run, "complete")
     write_report(run.out)
     return run
+
+
+def _stop(run: Run, err: Exception) -> SlimlineError:
+    """Nothing after ``err`` can run: record what was done (status failed, the reason) and the
+    report, and return the one-line error to raise. An error that is not slimline's own comes
+    back as a :class:`StepError` (its traceback is logged at debug level)."""
+    from .report.html import write_report
+
+    if not isinstance(err, SlimlineError):
+        log.debug("run stopped by an unexpected error", exc_info=err)
+        err = StepError(f"the run stopped: {error_text(err)}")
+    run.failed = {"error": str(err), "type": type(err).__name__, "user_error": err.user_error}
+    write_manifest(run, "failed")
+    try:
+        write_report(run.out)
+    except Exception as report_err:  # a report of a run that stopped early is a bonus
+        log.warning("report of the failed run not written: %s", error_text(report_err))
+    log.error("run failed; manifest and report: %s", run.out)
+    return err
+
+
+def _profile_or_warn(run: Run) -> None:
+    """The per-operator profile and weight statistics add to a run; their failure only warns."""
+    try:
+        _profile(run)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        msg = f"per-operator profile not recorded: {error_text(err)}"
+        run.warnings.append(msg)
+        log.warning(msg)
 
 
 def _steps_after_export(recipe: Recipe) -> list[StepConfig]:
@@ -225,12 +262,14 @@ def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[
     ctx = _context(run, workdir)
     try:
         out = handler_for(cfg)(cfg, cand, ctx)
-    except SlimlineError:
-        raise
     except Exception as err:
-        raise StepError(
-            f"step {cfg.kind} failed on {cand.name}: {type(err).__name__}: {err}; "
-            "earlier artifacts are kept in the run directory"
+        if is_user_error(err):
+            raise
+        details = err.details if isinstance(err, StepError) else {}
+        kind = type(err) if isinstance(err, StepError) else StepError  # ExportError stays one
+        raise kind(
+            f"step {cfg.kind} failed on {cand.name}: {error_text(err)}",
+            details={**details, "warnings": ctx.warnings},
         ) from err
     return {
         "chosen": _cand_record(out, workdir),
@@ -299,13 +338,59 @@ def _unique_name(run: Run, name: str) -> str:
 def _run_step(run: Run, cfg: StepConfig) -> None:
     parent = run.current
     n_alt = len(run.alternatives)
-    cand = _cached_step(run, cfg, parent)
+    try:
+        cand = _cached_step(run, cfg, parent)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        _reject_failed_step(run, cfg, parent, err)
+        return
     cand.name, cand.parent = _unique_name(run, cand.name), parent.name
     for alt in run.alternatives[n_alt:]:
         alt.name = _unique_name(run, alt.name) if alt.name == cand.name else alt.name
-    cand.accepted, cand.reason = _decide(run, cfg, parent, cand)
+    try:
+        if cand.onnx is not None:
+            check_candidate(cand.onnx, run.threads)
+        cand.accepted, cand.reason = _decide(run, cfg, parent, cand)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        cand.accepted, cand.reason = False, f"failed: {error_text(err)}"
+        cand.meta = {**cand.meta, "failure": _failure_record(err)}
     log.info("step %s: %s (%s)", cfg.kind, "ACCEPTED" if cand.accepted else "REJECTED", cand.reason)
     run.chain.append(cand)
+
+
+def _reject_failed_step(run: Run, cfg: StepConfig, parent: Candidate, err: Exception) -> None:
+    """A step that failed as a whole: a rejected entry with the error as its reason (nothing to
+    run or measure); the next step starts from ``parent``."""
+    reason = f"failed: {error_text(err)}"
+    failure = _failure_record(err)
+    for w in failure.pop("warnings", []):
+        if w not in run.warnings:
+            run.warnings.append(w)
+    cand = Candidate(
+        name=_unique_name(run, cfg.kind),
+        step=cfg.kind,
+        parent=parent.name,
+        accepted=False,
+        reason=reason,
+        meta={"failure": failure},
+    )
+    run.chain.append(cand)
+    msg = f"step {cfg.kind} rejected: {reason}; the run goes on from {parent.name}"
+    run.warnings.append(msg)
+    log.warning(msg)
+
+
+def _failure_record(err: Exception) -> dict[str, Any]:
+    details = err.details if isinstance(err, StepError) else {}
+    return {"type": type(err).__name__, "error": error_text(err), **details}
+
+
+def _failed(c: Candidate) -> bool:
+    """A candidate whose step, check, evaluation or timing failed: recorded, never measured."""
+    return "failure" in c.meta
 
 
 def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
@@ -438,7 +523,7 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
 
 
 def _measure_all(run: Run) -> None:
-    cands = run.chain
+    cands = [c for c in run.chain if not _failed(c)]
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
@@ -580,7 +665,9 @@ def _profile(run: Run) -> None:
 
     sample = run.task.sample_inputs(1)
     targets = {
-        c.name: c for c in run.chain if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted)
+        c.name: c
+        for c in run.chain
+        if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted) and not _failed(c)
     }
     selected = _selected(run)
     profiles = {}
@@ -619,7 +706,7 @@ def _entry(run: Run, c: Candidate) -> dict[str, Any]:
         "accepted": bool(c.accepted),
         "reason": c.reason,
         "artifact": artifact,
-        "runtime": c.runtime,
+        "runtime": None if _failed(c) and c.onnx is None else c.runtime,
         **m,
         "meta": c.meta,
     }

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from slimline.errors import ModelFileError
+from slimline.errors import CandidateError
 from slimline.measure.opprofile import aggregate, kernel_events, profile_ops
 
 
@@ -83,7 +83,8 @@ def test_profile_top_limits_rows(tmp_path: Path, inputs: dict[str, np.ndarray]) 
 
 
 def test_profile_missing_file(tmp_path: Path, inputs: dict[str, np.ndarray]) -> None:
-    with pytest.raises(ModelFileError):
+    # the profiler runs on candidates slimline wrote: a missing one is not the user's file
+    with pytest.raises(CandidateError, match="a candidate slimline wrote: the file does not exist"):
         profile_ops(tmp_path / "nope.onnx", inputs, threads=1)
 
 

@@ -18,11 +18,13 @@ import onnx
 
 from ..candidate import Candidate, quantizable_graph
 from ..context import StepContext
+from ..errors import error_text, is_user_error
 from ..steps import Contract, step
 from ..task import Inputs
 from .quant.auto import (
     Search,
     Trial,
+    all_failed,
     candidates,
     describe,
     layerwise_for,
@@ -154,7 +156,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         chosen, rejected, record = _single(s, plan, tries[0][0])
     _warn_representativeness(ctx, calib.representativeness, chosen)
     with s.timed("layerwise"):
-        rows = layerwise_for(s, chosen)
+        rows = _layerwise(s, chosen)
     meta = {
         "mode": cfg.mode,
         **describe(s, chosen, rows),
@@ -189,9 +191,22 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     )
 
 
+def _layerwise(s: Search, chosen: Trial) -> list[dict[str, Any]]:
+    """The chosen model's layer-wise error; a failure there costs the table, not the step."""
+    try:
+        return layerwise_for(s, chosen)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        chosen.notes.append(f"layer-wise error not measured: {error_text(err)}")
+        return []
+
+
 def _single(s: Search, plan: Any, spec: QuantSpec) -> tuple[Trial, list[Trial], dict[str, Any]]:
     trial = s.judge(s.build(spec, plan))
     s.trials = [trial]
+    if trial.failure is not None:
+        raise all_failed(s)
     record: dict[str, Any] = {}
     if not trial.budget_ok and s.cfg.mixed_precision:
         mixed = mixed_precision(s, trial)
@@ -231,11 +246,14 @@ def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
         "budget_ok": t.budget_ok,
         "fidelity": t.quality.fidelity_dict() if t.quality else None,
         "metric": t.quality.metric if t.quality else None,
+        "failure": t.failure,
     }
 
 
 def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
     reason = s.reason(t) if s.cfg.mode == "auto" else f"not chosen: {t.budget_reason}"
+    if t.failure is not None:
+        reason = s.reason(t)
     if t.latency and t.budget_ok and s.faster(t):
         reason = (
             f"faster than FP32 and within budget, but slower than {chosen.name}: "
@@ -245,7 +263,7 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
         name=t.name,
         step="quantize",
         parent=parent,
-        onnx=t.path,
+        onnx=t.path if t.path.is_file() else None,  # a trial that failed to build may have none
         accepted=False,
         reason=reason,
         meta={

@@ -11,13 +11,14 @@ sequential execution); torch runs with ``torch.set_num_threads(threads)`` in inf
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..candidate import Candidate
-from ..errors import InputMismatchError, ModelFileError
+from ..errors import CandidateError, InputMismatchError, ModelFileError, SlimlineError
 from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
 from ..tensors import Inputs, check_inputs
 
@@ -26,7 +27,10 @@ __all__ = [
     "OrtRunner",
     "Runner",
     "TorchRunner",
+    "check_candidate",
+    "failing_node",
     "make_runner",
+    "ort_message",
     "ort_session",
     "session_input_spec",
 ]
@@ -63,11 +67,17 @@ def ort_session(
     profile: Path | None = None,
     optimized_out: Path | None = None,
     level: str = "all",
+    user_model: bool = False,
 ) -> Any:
+    """An ONNX Runtime session for ``path``, pinned to ``threads``.
+
+    A load failure blames the file's author: with ``user_model`` the user's own model
+    (:class:`ModelFileError`, exit 2); otherwise a candidate slimline wrote
+    (:class:`CandidateError`: that candidate is rejected, the run goes on)."""
     import onnxruntime as ort
 
     if not Path(path).is_file():
-        raise ModelFileError(f"ONNX file {path} does not exist; check the path")
+        raise _load_error(path, "the file does not exist", user_model)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -87,11 +97,69 @@ def ort_session(
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
-        first = str(err).strip().splitlines()[0][:200]
-        raise ModelFileError(
-            f"ONNX Runtime cannot load {path} ({first}); the file is corrupt or not an ONNX model: "
-            "re-export it"
+        raise _load_error(path, ort_message(err), user_model) from None
+
+
+def _load_error(path: Path, why: str, user_model: bool) -> SlimlineError:
+    if user_model:
+        if why == "the file does not exist":
+            return ModelFileError(f"ONNX file {path} does not exist; check the path")
+        import onnxruntime as ort
+
+        return ModelFileError(
+            f"ONNX Runtime {ort.__version__} cannot load the model {path} ({why}): it is corrupt "
+            "or not an ONNX model this ONNX Runtime can run; re-export it"
+        )
+    return CandidateError(
+        f"ONNX Runtime cannot load {Path(path).name}, a candidate slimline wrote: {why}"
+    )
+
+
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*")
+_NODE = re.compile(r'In Node, \("([^"]*)", (\w+)|Name: (\S+) OpType: (\w+)')
+
+
+def failing_node(message: str) -> str | None:
+    """The node (``name (OpType)``) an ONNX Runtime or onnx.checker message names, if any."""
+    m = _NODE.search(message)
+    if m is None:
+        return None
+    name, op = (m.group(1), m.group(2)) if m.group(2) else (m.group(3), m.group(4))
+    return f"{name} ({op})"
+
+
+def ort_message(err: BaseException) -> str:
+    """ONNX Runtime's error on one line: the status and the cause, with the failing node; the
+    node's full input/output signature, which can run to kilobytes, is left out."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    text = _ORT_PREFIX.sub("", text)
+    node = failing_node(text)
+    if node is not None and ", Error " in text:
+        status = text.split(" : ", 1)[0] if " : " in text[:40] else ""
+        cause = text.rsplit(", Error ", 1)[1]
+        text = f"{status + ': ' if status else ''}{cause} (node {node})"
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def check_candidate(path: Path, threads: int = 1) -> None:
+    """Check a model slimline wrote before anything evaluates it: ``onnx.checker`` on the path
+    (so models over 2 GB with external data are checked too), then an ONNX Runtime load.
+    Raises :class:`CandidateError` with the checker's or the runtime's message and the node."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as err:  # ValidationError, or a protobuf/IO error on a broken file
+        text = " ".join(str(err).split()) or type(err).__name__
+        node = failing_node(text)
+        cause = text.split(" ==> Context:", 1)[0]
+        if len(cause) > 300:
+            cause = cause[:297] + "..."
+        raise CandidateError(
+            f"onnx.checker rejects {Path(path).name}, a candidate slimline wrote: {cause}"
+            + (f" (node {node})" if node else "")
         ) from None
+    ort_session(path, threads)
 
 
 def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
@@ -106,10 +174,16 @@ def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
 
 class OrtRunner:
     def __init__(
-        self, name: str, path: Path, threads: int, signature: Signature | None = None
+        self,
+        name: str,
+        path: Path,
+        threads: int,
+        signature: Signature | None = None,
+        *,
+        user_model: bool = False,
     ) -> None:
         self.name = name
-        self.session = ort_session(path, threads)
+        self.session = ort_session(path, threads, user_model=user_model)
         self.spec = session_input_spec(self.session)
         self.signature = signature
         self.output_names = [o.name for o in self.session.get_outputs()]

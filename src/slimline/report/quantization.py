@@ -16,11 +16,14 @@ _BARS = 30
 
 
 def _quantized(m: dict[str, Any]) -> dict[str, Any] | None:
-    """The quantize step's own candidate (the one it picked), if the run has one."""
+    """The quantize step's own candidate (the one it picked), if the run has one. A step that
+    failed as a whole picked none: its reason is in the candidate list."""
     cands = [
         c
         for c in m.get("candidates", [])
-        if c.get("step") == "quantize" and not c.get("alternative")
+        if c.get("step") == "quantize"
+        and not c.get("alternative")
+        and "search" in (c.get("meta") or {})
     ]
     return cands[-1] if cands and cands[-1].get("meta") else None
 

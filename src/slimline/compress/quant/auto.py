@@ -13,7 +13,9 @@ from typing import Any
 
 from ...candidate import Candidate
 from ...context import StepContext
+from ...errors import StepError, error_text, is_user_error
 from ...measure.quality import Quality
+from ...measure.runners import check_candidate
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
 from .engine import quantize_model
@@ -22,9 +24,19 @@ from .layerwise import error_statement, layer_errors
 from .plan import EDGES_FLOAT, EDGES_INT8, MIXED, PrecisionPlan
 from .prepare import Prepared
 
-__all__ = ["Trial", "candidate_specs", "candidates", "search"]
+__all__ = ["Trial", "all_failed", "candidate_specs", "candidates", "search"]
 
 log = logging.getLogger("slimline.quantize")
+
+NOT_BUILT: dict[str, Any] = {
+    "int8_kernels": 0,
+    "compute_kernels": 0,
+    "summary": "not built",
+    "int8_share": 0.0,
+    "fallback": [],
+    "float_by_choice": 0,
+    "kernels": {},
+}
 
 
 def candidates(
@@ -69,13 +81,14 @@ class Trial:
     spec: QuantSpec
     plan: PrecisionPlan
     path: Path
-    kernels: dict[str, Any]
+    kernels: dict[str, Any] = field(default_factory=lambda: dict(NOT_BUILT))
     quality: Quality | None = None
     latency: dict[str, Any] | None = None
     fp32: dict[str, Any] | None = None  # FP32 latency measured in the same interleaved run
     budget_ok: bool = False
     budget_reason: str = ""
     notes: list[str] = field(default_factory=list)
+    failure: str | None = None  # why this trial could not be built, checked, evaluated or timed
 
     @property
     def name(self) -> str:
@@ -116,23 +129,65 @@ class Search:
             self.timings[what] = round(self.timings.get(what, 0.0) + time.perf_counter() - t0, 3)
 
     def build(self, spec: QuantSpec, plan: PrecisionPlan, tag: str = "") -> Trial:
-        path = self.out_dir / f"{spec.slug}{tag}.onnx"
-        quantize_model(self.prepared.path, path, spec, plan.float_nodes, self.caches)
-        trial = Trial(spec, plan, path, kernel_report(path, self.ctx.threads))
+        """Write one variant and check it (``onnx.checker`` plus an ONNX Runtime load); a
+        failure rejects this trial with its reason, never the step."""
+        trial = Trial(spec, plan, self.out_dir / f"{spec.slug}{tag}.onnx")
+        try:
+            quantize_model(self.prepared.path, trial.path, spec, plan.float_nodes, self.caches)
+            check_candidate(trial.path, self.ctx.threads)
+            trial.kernels = kernel_report(trial.path, self.ctx.threads)
+        except Exception as err:
+            return self.fail(trial, "building", err)
         warn = fallback_warning(spec.label, trial.kernels)
         if warn:
             trial.notes.append(warn)
         return trial
 
+    def fail(self, trial: Trial, stage: str, err: Exception) -> Trial:
+        """Reject ``trial``: the runtime's or library's message, with the config that made it.
+        An error in the user's input is not the trial's: it still ends the run."""
+        if is_user_error(err):
+            raise err
+        trial.failure = f"{trial.label}: {stage} failed: {error_text(err)}"
+        trial.budget_ok, trial.budget_reason = False, trial.failure
+        log.warning("quantize: candidate rejected: %s", trial.failure)
+        return trial
+
     def judge(self, trial: Trial) -> Trial:
-        trial.quality = self.ctx.evaluate(self.candidate(trial))
+        if trial.failure:
+            return trial
+        try:
+            trial.quality = self.ctx.evaluate(self.candidate(trial))
+        except Exception as err:
+            return self.fail(trial, "evaluating", err)
         trial.budget_ok, trial.budget_reason = self.ctx.within_budget(trial.quality)
         return trial
+
+    def usable(self) -> list[Trial]:
+        return [t for t in self.trials if t.failure is None]
 
     def candidate(self, trial: Trial, parent: str = "") -> Candidate:
         return Candidate(name=trial.name, step="quantize", parent=parent or None, onnx=trial.path)
 
     def measure(self, trials: list[Trial]) -> None:
+        """Time ``trials`` interleaved with FP32. When that fails, each is timed alone with FP32
+        so that one trial's failure rejects that trial only."""
+        trials = [t for t in trials if t.failure is None]
+        if not trials:
+            return
+        try:
+            self._time(trials)
+        except Exception as err:
+            if is_user_error(err) or len(trials) == 1:
+                self.fail(trials[0], "timing", err)
+                return
+            for t in trials:
+                try:
+                    self._time([t])
+                except Exception as one:
+                    self.fail(t, "timing", one)
+
+    def _time(self, trials: list[Trial]) -> None:
         base = self.ctx.baseline
         figures = self.ctx.compare([base, *[self.candidate(t) for t in trials]])
         for t in trials:
@@ -163,6 +218,8 @@ class Search:
         return trial.p50() / float(trial.fp32["p50"])
 
     def reason(self, trial: Trial) -> str:
+        if trial.failure is not None:
+            return f"failed: {trial.failure}"
         if trial.latency is None or trial.fp32 is None:
             return f"over budget: {trial.budget_reason}; not timed (a candidate within budget was)"
         speed = (
@@ -191,12 +248,16 @@ def search(
     with s.timed("evaluate"):
         for t in s.trials:
             s.judge(t)
-    in_budget = [t for t in s.trials if t.budget_ok]
+    in_budget = [t for t in s.usable() if t.budget_ok]
     with s.timed("compare"):
-        s.measure(in_budget or s.trials)
+        s.measure(in_budget or s.usable())
+        if not any(t.latency for t in s.usable()):  # those within budget all failed to time
+            s.measure([t for t in s.usable() if t.latency is None])
+    if not any(t.latency for t in s.usable()):
+        raise all_failed(s)
     good = [t for t in in_budget if s.faster(t)]
     if not good and s.cfg.mixed_precision:
-        untimed = [t for t in s.trials if t.latency is None]
+        untimed = [t for t in s.usable() if t.latency is None]
         if untimed:
             with s.timed("compare"):
                 s.measure(untimed)  # mixed precision starts from the fastest, in budget or not
@@ -206,7 +267,7 @@ def search(
             s.trials.append(mixed)
             if mixed.budget_ok and s.faster(mixed):
                 good = [mixed]
-    record: dict[str, Any] = {"fp32_latency_ms": next(t.fp32 for t in s.trials if t.fp32)}
+    record: dict[str, Any] = {"fp32_latency_ms": next((t.fp32 for t in s.trials if t.fp32), None)}
     record["mixed_precision"] = s.mixed_trace
     if good:
         chosen = min(good, key=lambda t: t.p50())
@@ -219,8 +280,19 @@ def search(
 
 def _best_effort(s: Search) -> Trial:
     """Nothing qualified: the fastest-to-FP32 candidate that is at least faster, closest to budget."""
-    faster = [t for t in s.trials if s.faster(t)] or s.trials
+    timed = [t for t in s.usable() if t.latency is not None]
+    faster = [t for t in timed if s.faster(t)] or timed
     return max(faster, key=lambda t: (t.quality.cosine_mean if t.quality else -1.0, -t.p50()))
+
+
+def all_failed(s: Search) -> StepError:
+    """The step's error when no trial could be built, checked, evaluated and timed: the step is
+    rejected and the pipeline keeps its parent; every trial's reason is in the message."""
+    reasons = " | ".join(t.failure or s.reason(t) for t in s.trials)
+    return StepError(
+        f"every quantized candidate failed ({len(s.trials)}): {reasons}",
+        details={"candidates": [{"name": t.name, "reason": s.reason(t)} for t in s.trials]},
+    )
 
 
 def _why_none(s: Search) -> str:
@@ -234,7 +306,13 @@ def _mixed_precision(s: Search) -> Trial | None:
     if not fast:
         s.mixed_trace.append({"skipped": "no candidate is faster than FP32, nothing to trade"})
         return None
-    best = mixed_precision(s, fast[0])
+    try:
+        best = mixed_precision(s, fast[0])
+    except Exception as err:  # the layer-wise ranking ran the model node by node, and failed
+        if is_user_error(err):
+            raise
+        s.mixed_trace.append({"skipped": f"layer-wise error failed: {error_text(err)}"})
+        return None
     if best is not None:
         s.measure([best])
     return best

@@ -45,6 +45,8 @@ _ENTROPY_BINS = 512
 # through the flattened tensor); min/max always see every value. Without this, histogramming
 # dominates calibration time on convolutional feature maps.
 _HIST_VALUES = 1 << 18
+# A histogram may grow to this many times its collector's base bin count before it is re-binned.
+_MAX_BIN_GROWTH = 16
 
 
 def _subsample(arr: np.ndarray) -> np.ndarray:
@@ -287,6 +289,7 @@ class _Accumulator:
             self.moments.setdefault(name, TensorStats()).update(arr, sub[name])
         for coll in (self.value, self.absolute, self.entropy):
             if coll is not None:
+                _bound_bins(coll, sub)
                 coll.collect(sub)
         return int(sum(a.nbytes for a in outs))
 
@@ -327,6 +330,38 @@ class _Accumulator:
             counts, edges = _coarsen(np.asarray(h[0]), np.asarray(h[1]), 64)
             out[name] = (counts.tolist(), [float(e) for e in edges])
         return out
+
+
+def _bound_bins(coll: Any, arrays: dict[str, np.ndarray]) -> None:
+    """Re-bin, before a merge, every histogram that the merge would grow past
+    :data:`_MAX_BIN_GROWTH` times the collector's base bin count.
+
+    ONNX Runtime's ``HistogramCollector`` keeps the bin width of the first values it saw and adds
+    bins of that width as later values widen the range. ONNX Runtime's own calibration passes
+    all data in one call, so that never happens there; chunked calibration merges once per
+    chunk, and a tensor whose first chunk is nearly all zero (PP-OCR's detector: max 3e-4, then
+    0.14 in a later chunk) asks numpy for 10^8 bins ("Too many bins for data range"). The old
+    counts are moved, by bin centre, onto the base bin count over the new range; the merge
+    then adds the new chunk at that resolution."""
+    cap = _MAX_BIN_GROWTH * coll.num_bins
+    for name, arr in arrays.items():
+        old = coll.histogram_dict.get(name)
+        if old is None or arr.size == 0:
+            continue
+        hist, edges = np.asarray(old[0]), np.asarray(old[1])
+        width, top = float(edges[1] - edges[0]), float(np.nanmax(np.abs(arr)))
+        if not width > 0 or not top > float(edges[-1]):
+            continue
+        if len(hist) + 2 * (top - float(edges[-1])) / width + 2 <= cap:
+            continue
+        absolute = len(old) == 4  # (hist, edges, min, max); the value form adds its threshold
+        new_edges = np.linspace(float(edges[0]) if absolute else -top, top, coll.num_bins + 1)
+        centers = (edges[:-1] + edges[1:]) / 2
+        counts = np.histogram(centers, bins=new_edges, weights=hist)[0].astype(hist.dtype)
+        rebinned: tuple[Any, ...] = (counts, new_edges.astype(edges.dtype), old[2], old[3])
+        if not absolute:
+            rebinned = (*rebinned, np.array(top, dtype=np.asarray(old[4]).dtype))
+        coll.histogram_dict[name] = rebinned
 
 
 def _coarsen(counts: np.ndarray, edges: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ import onnx
 from ...errors import StepError
 from ...record import atomic_write_bytes
 from .config import QuantSpec
-from .prepare import quiet
+from .prepare import QDQ_MIN_OPSET, default_opset, quiet
 
 __all__ = ["DYNAMIC_OP_TYPES", "quantize_model"]
 
@@ -66,6 +66,12 @@ def _static(
 ) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
+    opset = default_opset(onnx.load(str(src), load_external_data=False))
+    if spec.per_channel and opset < QDQ_MIN_OPSET:
+        raise StepError(
+            f"{spec.label} needs opset {QDQ_MIN_OPSET} or later (per-channel DequantizeLinear "
+            f"takes an axis from opset 13), and {src.name} is opset {opset}"
+        )
     cache = caches.get(spec.calibration)
     if cache is None:
         raise StepError(

@@ -3,6 +3,10 @@
 ONNX Runtime's quantization tool wants a float graph made of standard ops, with shapes inferred
 and BatchNorm already folded. This module:
 
+* converts a graph older than opset 13 to opset 13: per-channel Q/DQ needs the ``axis`` attribute
+  of QuantizeLinear/DequantizeLinear, which opset 13 introduced. ONNX Runtime's quantizer writes
+  it whatever the model's opset, and ONNX Runtime then refuses the model (INVALID_GRAPH,
+  "Unrecognized attribute: axis for operator DequantizeLinear");
 * undoes ONNX Runtime's *runtime-only* fusions (``FusedConv``, ``FusedGemm``) when the input was
   saved by its extended-level optimizer, because the quantizer does not know those ops;
 * for BERT-class graphs, runs ONNX Runtime's transformer fusions (Attention, SkipLayerNorm,
@@ -33,13 +37,14 @@ from ...measure.runners import ort_session
 from ...record import atomic_write_bytes
 from ...task import Inputs
 
-__all__ = ["COMPUTE_OPS", "Prepared", "compute_nodes", "prepare"]
+__all__ = ["COMPUTE_OPS", "QDQ_MIN_OPSET", "Prepared", "compute_nodes", "default_opset", "prepare"]
 
 log = logging.getLogger("slimline.quantize")
 
 COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention")
 _TRANSFORMER_FUSED = ("Attention", "SkipLayerNormalization", "EmbedLayerNormalization", "BiasGelu")
 _PREP_COSINE = 0.9999
+QDQ_MIN_OPSET = 13  # QuantizeLinear/DequantizeLinear take `axis` (per-channel scales) from 13
 
 
 @dataclass
@@ -87,6 +92,7 @@ def prepare(
     dst = out_dir / "prepared.onnx"
     model = onnx.load(str(src))
     notes: list[str] = []
+    model = _opset_for_qdq(model, notes)
     if _unfuse_runtime_ops(model):
         notes.append(
             "undid ONNX Runtime FusedConv/FusedGemm fusions (the quantizer needs plain ops)"
@@ -111,6 +117,35 @@ def prepare(
     return Prepared(
         dst, [n.name for n in nodes], {n.name: n.op_type for n in nodes}, transformer, counts, notes
     )
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _opset_for_qdq(model: onnx.ModelProto, notes: list[str]) -> onnx.ModelProto:
+    """``model`` at opset :data:`QDQ_MIN_OPSET` at least (ONNX's version converter), so that
+    per-channel QDQ models are valid; the prepared graph is then checked against the source on
+    sample inputs like any other preparation. When the converter cannot, the model stays as it
+    is and the engine rejects per-channel static candidates with the reason."""
+    version = default_opset(model)
+    if version >= QDQ_MIN_OPSET:
+        return model
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(model, QDQ_MIN_OPSET)
+    except Exception as err:  # the converter lacks adapters for some ops and domains
+        notes.append(
+            f"opset {version} could not be converted to {QDQ_MIN_OPSET} "
+            f"({' '.join(str(err).split())[:200]}); per-channel static candidates need it"
+        )
+        return model
+    notes.append(
+        f"converted from opset {version} to {QDQ_MIN_OPSET}: per-channel Q/DQ needs the axis "
+        "attribute of DequantizeLinear, which opset 13 introduced"
+    )
+    return converted
 
 
 def _has(model: onnx.ModelProto, op: str) -> bool:
