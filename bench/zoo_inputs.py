@@ -205,8 +205,21 @@ def ppocr_cls_inputs() -> Split:
 
 
 def ppocr_det_inputs() -> Split:
-    stack = lambda names: {"x": np.stack([ppocr_det(photo(n), 320) for n in names])}  # noqa: E731
-    return stack(CALIB_PHOTOS), stack(EVAL_PHOTOS)
+    """A text detector on text: square crops of the scanned page's upper half calibrate, of its
+    lower half evaluate (different lines); one text-free photo on each side, as a detector also
+    sees those."""
+    page = photo("page")
+    half = len(page) // 2
+    stack = lambda imgs: {"x": np.stack([ppocr_det(i, 320) for i in imgs])}  # noqa: E731
+    calib = [*square_crops(page[:half]), photo(CALIB_PHOTOS[1])]
+    evaluation = [*square_crops(page[half:]), photo(EVAL_PHOTOS[0])]
+    return stack(calib), stack(evaluation)
+
+
+def square_crops(img: np.ndarray) -> list[np.ndarray]:
+    """Squares of the image's full height, stepped across by half a square."""
+    h, w = img.shape[:2]
+    return [img[:, x : x + h] for x in range(0, w - h + 1, max(1, h // 2))]
 
 
 def ddddocr_det_inputs() -> Split:
