@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -196,6 +197,7 @@ def run_model(m: ZooModel, work: Path, quick: bool, limit_s: float) -> dict[str,
     rec = prepare(m, work, quick)
     cmd = [sys.executable, "-m", "slimline.cli", "optimize", str(rec), "--out", str(work / "run")]
     env = {**os.environ, "SLIMLINE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(work / "log.txt", "w") as log:
         try:
@@ -213,6 +215,7 @@ def run_model(m: ZooModel, work: Path, quick: bool, limit_s: float) -> dict[str,
         "kind": m.kind,
         "exit": rc,
         "wall_s": round(wall, 1),
+        "load_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         "work": str(work),
         "log_tail": tail,
     }
@@ -266,12 +269,27 @@ def verdicts(r: dict[str, Any]) -> str:
     return "<br>".join(parts) or "-"
 
 
+def short_paths(text: str) -> str:
+    """Absolute paths cut to their file name: the work folder's location says nothing."""
+    return re.sub(r"/[^\s:;()'\"]*/([^/\s:;()'\"]+)", r".../\1", text)
+
+
+def crash_site(log_tail: list[str]) -> str:
+    """Where a traceback was raised: its innermost frame, or nothing when there is none."""
+    frames = [m for ln in log_tail if (m := re.search(r'File "(.+)", line (\d+), in (\S+)', ln))]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (traceback at {Path(f[1]).name}:{f[2]} in {f[3]})"
+
+
 def outcome(r: dict[str, Any]) -> str:
     if r.get("status") is None:
         last = next((ln for ln in reversed(r["log_tail"]) if ln.strip()), "")
-        return f"no manifest: `{last[:220].replace('|', '/')}`"
+        where = crash_site(r["log_tail"])
+        return f"no manifest: `{short_paths(last)[:220].replace('|', '/')}`{where}"
     if r.get("failure"):
-        err = str(r["failure"].get("error", r["failure"]))[:300].replace("|", "/")
+        err = short_paths(str(r["failure"].get("error", r["failure"])))[:300].replace("|", "/")
         return f"{r['status']} ({r['failure'].get('type')}): `{err}`"
     fig = f"{r['selected']}"
     if r.get("ratio"):
@@ -290,7 +308,7 @@ def markdown(results: list[dict[str, Any]], quick: bool, cmds: list[str]) -> str
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, CPU: {cpu_kind()}, "
         f"{THREADS} threads, recipe: {'quick (quantize only)' if quick else 'graph + quantize'}, "
         f"each model a `slimline optimize` subprocess with a cold step cache and a "
-        f"{TIME_LIMIT_S} s limit.",
+        f"{TIME_LIMIT_S} s limit. {load_note(results)}",
         "",
         "| model | package | what it covers | exit | result | steps and alternatives | wall s |",
         "|---|---|---|---|---|---|---|",
@@ -303,6 +321,14 @@ def markdown(results: list[dict[str, Any]], quick: bool, cmds: list[str]) -> str
     footer = reproduce_footer(cmds[0])
     footer[-1:-1] = [f"    {c}" for c in cmds[1:]]
     return "\n".join(lines + footer)
+
+
+def load_note(results: list[dict[str, Any]]) -> str:
+    """The machine's one-minute load average around the runs: wall times scale with it."""
+    loads = [x for r in results for x in r.get("load_1min", [])]
+    if not loads:
+        return ""
+    return f"One-minute load average before/after each model: {min(loads):.1f}-{max(loads):.1f}."
 
 
 def cpu_kind() -> str:
