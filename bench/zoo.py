@@ -10,9 +10,10 @@ alternative was rejected, and the wall time.
 
     nice -n 5 .venv/bin/python bench/zoo.py --out bench/RESULTS-zoo.md
     .venv/bin/python bench/zoo.py --only silero-vad ppocr-cls --quick
+    .venv/bin/python bench/zoo.py --quick          # the test suite's models
 
-``--quick`` is the short recipe of the test suite (tests/test_zoo.py): 200 timed runs, batch 1
-only, no peak-RSS subprocess, the quantize step alone. Each model's work folder (``--work``,
+``--quick`` is the short recipe of the test suite (tests/test_zoo.py): 200 timed runs, batch
+sizes 1 and 4, no peak-RSS subprocess, the quantize step alone. Each model's work folder (``--work``,
 default ``bench/out/zoo``) keeps its inputs, recipe, log and run directory, so one model can be
 rerun by hand with ``slimline optimize WORK/NAME/recipe.yaml``.
 
@@ -157,7 +158,7 @@ def recipe(m: ZooModel, model: Path, work: Path, quick: bool) -> dict[str, Any]:
             "rounds": 2,
             "runs_per_round": 100,
             "warmup": 2,
-            "batch_sizes": [1],
+            "batch_sizes": [1, 4],  # a fixed-batch model must record batch 4 as not applicable
             "throughput_min_seconds": 0.02,
             "peak_rss": False,
         }
@@ -340,7 +341,11 @@ def cpu_kind() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=sorted(BY_NAME), help="run these models only")
-    ap.add_argument("--quick", action="store_true", help="the test suite's short recipe")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the test suite's short recipe (without --only: on the test suite's models)",
+    )
     ap.add_argument("--work", type=Path, default=Path(__file__).parent / "out" / "zoo")
     ap.add_argument("--limit", type=float, default=TIME_LIMIT_S, help="seconds per model")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and .json beside)")
@@ -354,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         return render(args.render, args.out)
-    models = [BY_NAME[n] for n in args.only] if args.only else MODELS
+    if args.only:
+        models = [BY_NAME[n] for n in args.only]
+    else:
+        models = [m for m in MODELS if m.quick or not args.quick]
     results = []
     for m in models:
         print(f"zoo: {m.name} ...", file=sys.stderr, flush=True)
