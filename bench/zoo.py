@@ -195,7 +195,18 @@ def run_model(m: ZooModel, work: Path, quick: bool, limit_s: float) -> dict[str,
     what its manifest says."""
     if work.exists():
         shutil.rmtree(work)
-    rec = prepare(m, work, quick)
+    try:
+        rec = prepare(m, work, quick)
+    except Exception as err:  # a missing package or data file: this model only
+        return {
+            "model": m.name,
+            "package": m.dist,
+            "file": m.file,
+            "kind": m.kind,
+            "exit": "no inputs",
+            "wall_s": 0.0,
+            "log_tail": [f"inputs could not be built: {type(err).__name__}: {err}"],
+        }
     cmd = [sys.executable, "-m", "slimline.cli", "optimize", str(rec), "--out", str(work / "run")]
     env = {**os.environ, "SLIMLINE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
     load_before = os.getloadavg()[0]

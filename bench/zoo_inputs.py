@@ -106,8 +106,8 @@ def speech() -> np.ndarray:
     sdist = zoo_data_dir() / SPEECH_SDIST
     if not sdist.is_file():
         raise FileNotFoundError(
-            f"{sdist} is missing: run `pip download --no-deps --no-binary :all: "
-            f"pysptk==1.0.1 -d {zoo_data_dir()}` (scripts/setup.sh does)"
+            f"{sdist} is missing: run `pip download --no-deps pysptk==1.0.1 "
+            f"-d {zoo_data_dir()}` (scripts/setup.sh does)"
         )
     with tarfile.open(sdist) as tar:
         member = tar.extractfile(SPEECH_MEMBER)
