@@ -58,8 +58,9 @@ class ZooModel:
     module: str  # its import name (located without importing it)
     file: str  # the model file inside the package
     kind: str  # what the model covers
-    inputs: Callable[[Path], zi.Split]
+    inputs: Callable[[Path], zi.Split] | None  # None: a PyTorch task file builds them
     quick: bool = False  # part of the test suite's fast subset
+    task: str | None = None  # a PyTorch task file beside this script, instead of the ONNX file
     budget: dict[str, Any] = field(default_factory=dict)
 
 
@@ -135,6 +136,16 @@ MODELS = [
         "SiLU",
         lambda _: zi.ddddocr_det_inputs(),
     ),
+    ZooModel(
+        "akiki-vad-torch",
+        "akiki",
+        "akiki",
+        "models/akiki-vad.pt",
+        "PyTorch task (export + graph + quantize): akiki's CNN + GRU from its state dict, "
+        "STFT by unfold + linear; model() returns one cached module",
+        None,
+        task="zoo_akiki_torch_task.py",
+    ),
 ]
 BY_NAME = {m.name: m for m in MODELS}
 
@@ -163,6 +174,8 @@ def recipe(m: ZooModel, model: Path, work: Path, quick: bool) -> dict[str, Any]:
             "peak_rss": False,
         }
         steps = [{"quantize": {}}]
+    if m.task is not None:
+        steps = [{"export": {"opset": 17}}, *steps]
     doc: dict[str, Any] = {
         "version": 1,
         "name": f"zoo-{m.name}",
@@ -173,7 +186,10 @@ def recipe(m: ZooModel, model: Path, work: Path, quick: bool) -> dict[str, Any]:
         "bench": bench,
         "steps": steps,
     }
-    if "eval_samples" in Recipe.model_fields:
+    if m.task is not None:
+        doc["task"] = str(Path(__file__).resolve().parent / m.task)
+        del doc["samples"]
+    elif "eval_samples" in Recipe.model_fields:
         doc["eval_samples"] = str(work / "evaluation.npz")
     return doc
 
@@ -181,10 +197,11 @@ def recipe(m: ZooModel, model: Path, work: Path, quick: bool) -> dict[str, Any]:
 def prepare(m: ZooModel, work: Path, quick: bool) -> Path:
     """Write the model's inputs and recipe into its work folder; return the recipe's path."""
     model = model_path(m)
-    calibration, evaluation = m.inputs(model)
     work.mkdir(parents=True, exist_ok=True)
-    np.savez(work / "calibration.npz", **calibration)  # type: ignore[arg-type]
-    np.savez(work / "evaluation.npz", **evaluation)  # type: ignore[arg-type]
+    if m.inputs is not None:
+        calibration, evaluation = m.inputs(model)
+        np.savez(work / "calibration.npz", **calibration)  # type: ignore[arg-type]
+        np.savez(work / "evaluation.npz", **evaluation)  # type: ignore[arg-type]
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe(m, model, work, quick), sort_keys=False))
     return path
