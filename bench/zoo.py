@@ -144,6 +144,7 @@ MODELS = [
         "PyTorch task (export + graph + quantize): akiki's CNN + GRU from its state dict, "
         "STFT by unfold + linear; model() returns one cached module",
         None,
+        quick=True,
         task="zoo_akiki_torch_task.py",
     ),
 ]
