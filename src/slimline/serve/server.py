@@ -121,8 +121,8 @@ def run_in_thread(
 def _wait_ready(ready: Any, dead: Any, timeout_s: float, state: ServerState | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
-        if state is not None and state.warmup_error:
-            raise ServeError(state.warmup_error)
+        if state is not None and state.problem:
+            raise ServeError(state.problem)
         if dead():
             raise ServeError("the server stopped during start-up; see its log")
         if time.monotonic() > deadline:
