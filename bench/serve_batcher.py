@@ -82,9 +82,15 @@ async def expiry_cost(depth: int) -> float:
     """Microseconds of event-loop time per expired request, with ``depth`` long-lived requests
     queued ahead of ``depth`` requests whose deadlines pass together (the worst case for a
     removal that searches the queue)."""
-    b = DynamicBatcher(Model(10.0), BatcherConfig(max_batch_size=1, max_queue_size=2 * depth + 1,
-                                                  timeout_ms=600_000, max_queue_delay_ms=0))  # fmt: skip
-    x = np.zeros((1, 4), np.float32)
+    gate = threading.Event()  # the one running batch holds the instance until measured
+
+    def held(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        gate.wait()
+        return inputs
+
+    b = DynamicBatcher(held, BatcherConfig(max_batch_size=1, max_queue_size=2 * depth + 1,
+                                           timeout_ms=600_000, max_queue_delay_ms=0))  # fmt: skip
+    x = {"x": np.zeros((1, 4), np.float32)}
     tasks = [asyncio.create_task(b.submit(x))]  # holds the only instance
     await asyncio.sleep(0.05)
     tasks += [asyncio.create_task(b.submit(x)) for _ in range(depth)]
@@ -95,6 +101,7 @@ async def expiry_cost(depth: int) -> float:
     await asyncio.gather(*doomed, return_exceptions=True)
     spent = loop.time() - deadline  # from the deadlines until every request was answered
     assert b.depth == depth, "the long-lived requests must still be queued"
+    gate.set()
     await b.close(drain=False)
     await asyncio.gather(*tasks, return_exceptions=True)
     return spent / depth * 1e6
