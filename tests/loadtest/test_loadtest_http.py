@@ -180,7 +180,7 @@ def test_unreachable_url_unknown_model_and_bad_trace_fail_before_the_run(tmp_pat
             )
         with pytest.raises(LoadTestError, match="has no model 'nope'"):  # before any samples
             run_loadtest(LoadTestConfig(url=url, model="nope", rate=10.0, duration_s=1.0))
-        with pytest.raises(LoadTestError, match="'stub' is not an example name; pass --inputs"):
+        with pytest.raises(LoadTestError, match="'stub' as an example name: not one of minilm"):
             run_loadtest(LoadTestConfig(url=url, model="stub", rate=10.0, duration_s=1.0))
         wrong = build_payloads({"y": np.ones((2, 4), np.float32)}, "json")
         with pytest.raises(LoadTestError, match="takes inputs \\['x'\\]"):

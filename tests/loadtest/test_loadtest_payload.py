@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from slimline.errors import LoadTestError
+from slimline.examples import EXAMPLES
 from slimline.loadtest.payload import build_payloads, encode_request, load_samples
 
 
@@ -75,7 +76,34 @@ def test_samples_from_npz_and_task_file(tmp_path: Path) -> None:
 def test_bad_sample_sources_raise_load_test_errors(tmp_path: Path) -> None:
     with pytest.raises(LoadTestError, match="does not exist"):
         load_samples(str(tmp_path / "missing.npz"))
-    with pytest.raises(LoadTestError, match=r"without manifest\.json"):
+    with pytest.raises(LoadTestError, match=r"as a run directory: .* has no manifest\.json"):
         load_samples(str(tmp_path))
     with pytest.raises(LoadTestError, match="has no KServe v2 datatype"):
         encode_request({"x": np.zeros(2, np.complex64)}, "json")
+
+
+def test_an_example_name_is_not_shadowed_by_an_unrelated_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mnist").mkdir()  # e.g. a folder of the user's own files, no manifest.json
+    rows = load_samples("mnist", limit=4)
+    assert rows["x"].shape == (4, 1, 28, 28) and rows["x"].dtype == np.float32
+
+
+def test_a_failed_resolution_lists_every_reading_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LoadTestError) as info:
+        load_samples("stub")
+    names = ", ".join(sorted(EXAMPLES))
+    assert str(info.value).startswith(
+        "cannot load sample inputs from 'stub'; tried, in order: 'stub' as a path: no such file "
+        f"or folder; 'stub' as an example name: not one of {names}."
+    )
+    (tmp_path / "stub").mkdir()
+    with pytest.raises(LoadTestError, match=r"'stub' as a run directory: stub has no manifest"):
+        load_samples("stub")
+    with pytest.raises(LoadTestError, match=r"'gone\.py' as a task file: task file gone\.py"):
+        load_samples("gone.py")

@@ -19,6 +19,7 @@ from pydantic import SecretStr
 from slimline.errors import ServeError
 from slimline.serve import (
     BatcherConfig,
+    DynamicBatcher,
     FakeBackend,
     ServedModel,
     ServeSettings,
@@ -266,12 +267,35 @@ def test_full_queue_is_503_with_retry_after_and_deadline_is_504() -> None:
         assert rejected in text and timeout in text
 
 
-def test_every_batch_size_is_warmed_up_before_ready() -> None:
+def test_powers_of_two_and_the_largest_batch_are_warmed_up_before_ready() -> None:
     model = fake_model(delay_s=0.05)
     settings = ServeSettings(port=0, batching=BatcherConfig(max_batch_size=6))
     with run_in_thread([model], settings) as url:
-        assert sorted(model.backend.batches) == [1, 2, 3, 4, 5, 6]  # type: ignore[attr-defined]
+        assert sorted(model.backend.batches) == [1, 2, 4, 6]  # type: ignore[attr-defined]
         assert httpx.get(url + "/v2/health/ready").status_code == 200
+
+
+def test_a_dead_batcher_makes_the_server_unhealthy_and_answers_503_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken_select(self: DynamicBatcher, first: Any) -> Any:
+        raise RuntimeError("bug in batch formation")
+
+    settings = ServeSettings(port=0, batching=BatcherConfig(timeout_ms=5000))
+    with run_in_thread([fake_model()], settings) as url, httpx.Client(base_url=url) as c:
+        assert c.get("/v2/health/live").json() == {"live": True}
+        monkeypatch.setattr(DynamicBatcher, "_select", broken_select)  # warm-up is done
+        t0 = time.perf_counter()
+        r = c.post("/v2/models/fake/infer", json=fake_body(), timeout=10)
+        assert time.perf_counter() - t0 < 2.0  # not the 5 s deadline's 504
+        assert r.status_code == 503 and "batcher stopped" in r.json()["error"]
+        assert "bug in batch formation" in r.json()["error"]
+        live, ready = c.get("/v2/health/live"), c.get("/v2/health/ready")
+        assert (live.status_code, live.json()) == (503, {"live": False})
+        assert (ready.status_code, ready.json()) == (503, {"ready": False})
+        model_ready = c.get("/v2/models/fake/ready")
+        assert (model_ready.status_code, model_ready.json()) == (503, {"ready": False})
+        assert c.post("/v2/models/fake/infer", json=fake_body()).status_code == 503
 
 
 def test_slow_preprocessing_never_starves_inference() -> None:

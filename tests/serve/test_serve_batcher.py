@@ -14,6 +14,7 @@ import pytest
 
 from slimline.serve.batcher import (
     BatcherConfig,
+    BatcherStopped,
     DeadlineExceeded,
     DynamicBatcher,
     InferenceFailed,
@@ -288,3 +289,65 @@ def test_unstacked_model_runs_each_request_alone() -> None:
 
     run(main)
     assert model.sizes == [2, 2, 2]
+
+
+def test_expired_requests_are_skipped_without_running_and_the_queue_stays_bounded() -> None:
+    model = Recorder(delay_s=2.0)  # outlasts the deadlines below, even on a loaded machine
+
+    async def main() -> None:
+        cfg = config(max_batch_size=4, max_queue_delay_ms=0.0, max_queue_size=4096)
+        b = DynamicBatcher(model, cfg)
+        long = asyncio.create_task(b.submit(request(1, 1.0)))
+        await asyncio.sleep(0.05)  # the long batch holds the only instance
+        kept = asyncio.create_task(b.submit(request(1, 2.0)))
+        doomed = [
+            asyncio.create_task(b.submit(request(1, 9.0), timeout_s=0.5)) for _ in range(2000)
+        ]
+        also_kept = asyncio.create_task(b.submit(request(1, 3.0)))
+        await asyncio.sleep(0.01)
+        assert b.depth == 2002
+        outcomes = await asyncio.gather(*doomed, return_exceptions=True)
+        assert all(isinstance(o, DeadlineExceeded) and not o.ran for o in outcomes)
+        assert b.depth == 2
+        assert len(b._queue) <= 2 * 2 + 64 + 1  # finished entries do not pile up
+        await asyncio.gather(long, kept, also_kept)
+        await b.close()
+
+    run(main)
+    assert [x[:, 0].tolist() for x in model.batches] == [[1.0], [2.0, 3.0]]
+
+
+def test_warm_up_sizes_are_the_powers_of_two_and_the_largest() -> None:
+    def sizes(n: int) -> list[int]:
+        return DynamicBatcher(Recorder(), config(max_batch_size=n)).batch_sizes()
+
+    assert sizes(1) == [1]
+    assert sizes(6) == [1, 2, 4, 6]
+    assert sizes(8) == [1, 2, 4, 8]
+    assert sizes(4096) == [2**i for i in range(13)]
+
+
+class _BrokenCollector(DynamicBatcher):
+    def _select(self, first: Any) -> Any:
+        raise RuntimeError("bug in batch formation")
+
+
+def test_a_dead_collector_fails_every_request_at_once_and_says_why() -> None:
+    model = Recorder()
+
+    async def main() -> None:
+        b = _BrokenCollector(model, config(timeout_ms=5000.0))
+        t0 = time.perf_counter()
+        with pytest.raises(BatcherStopped, match="bug in batch formation"):
+            await b.submit(request(1, 1.0))
+        assert time.perf_counter() - t0 < 2.0  # not after the 5 s deadline
+        assert b.failure == "RuntimeError: bug in batch formation"
+        assert b.depth == 0
+        with pytest.raises(BatcherStopped, match="must be restarted"):
+            b.check_admission()
+        with pytest.raises(BatcherStopped):
+            await b.submit(request(1, 2.0))
+        await b.close()  # closing a batcher with a dead collector does not raise
+
+    run(main)
+    assert model.batches == []

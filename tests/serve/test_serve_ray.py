@@ -75,3 +75,45 @@ def test_app_builder_rejects_unknown_keys(model_dir: Path) -> None:
 
     with pytest.raises(ServeError, match="app_builder takes"):
         app_builder({"models": str(model_dir / "tiny.onnx"), "replica": "2"})
+
+
+def test_replica_loads_its_models_and_leaves_no_temp_directory(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from slimline.serve.ray import load_blobs, read_models
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    models = load_blobs(read_models([model_dir / "tiny.onnx"]), ServeSettings(threads=1))
+    assert list(tmp_path.iterdir()) == []  # the ONNX bytes lived on disk only while loading
+    out = models[0].backend.run({"x": X})
+    assert out["logits"].shape == (2, 3)
+
+
+def test_replica_health_check_raises_once_a_batcher_died(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from slimline.serve import DynamicBatcher, load_served_models
+    from slimline.serve.app import ServerState
+    from slimline.serve.batcher import BatcherStopped
+    from slimline.serve.ray import replica_health
+
+    def broken_select(self: DynamicBatcher, first: object) -> object:
+        raise RuntimeError("bug in batch formation")
+
+    async def main() -> None:
+        state = ServerState(load_served_models([model_dir / "tiny.onnx"]), ServeSettings())
+        await state.start()
+        await state.warmed()
+        replica_health(state)  # healthy: returns
+        monkeypatch.setattr(DynamicBatcher, "_select", broken_select)
+        with pytest.raises(BatcherStopped):
+            await state.batchers["tiny"].submit({"x": X})
+        with pytest.raises(RuntimeError, match="batcher of model 'tiny' stopped"):
+            replica_health(state)
+        await state.stop()
+
+    asyncio.run(main())

@@ -17,7 +17,9 @@ from slimline.serve import run_in_subprocess
 def test_sigterm_drains_every_accepted_request(slow_onnx: Path) -> None:
     body = {"inputs": [{"name": "x", "shape": [1, 1024], "datatype": "FP32",
                         "data": np.ones(1024, np.float32).tolist()}]}  # fmt: skip
-    flags = ["--max-batch-size", "1", "--instances", "1", "--threads", "1"]
+    # 30 queued requests of ~25 ms each: a deadline far above that, so the test is about the
+    # drain alone, not about whether a busy machine answers within the default 1 s deadline
+    flags = ["--max-batch-size", "1", "--instances", "1", "--threads", "1", "--timeout-ms", "60000"]
     with run_in_subprocess([slow_onnx], flags) as (url, proc):
         statuses: list[int] = []
         lock = threading.Lock()

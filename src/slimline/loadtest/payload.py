@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -75,17 +76,65 @@ def v2_datatype(arr: np.ndarray) -> str:
 
 
 def load_samples(spec: str, limit: int = 256) -> Inputs:
-    """Up to ``limit`` rows of real inputs from an ``.npz``, a run directory, or a task spec."""
-    path = Path(spec)
+    """Up to ``limit`` rows of real inputs from ``spec``, tried in this order:
+
+    1. an ``.npz`` file of input arrays;
+    2. a run directory (a folder holding ``manifest.json``): its task's inputs;
+    3. a task ``.py`` file;
+    4. an example name (``slimline examples``).
+
+    A folder without ``manifest.json`` is not a run directory, so a local ``mnist/`` folder does
+    not hide the ``mnist`` example. If nothing fits, the error lists every attempt and its reason.
+    """
     if spec.endswith(".npz"):
-        return _from_npz(path, limit)
+        return _from_npz(Path(spec), limit)
+    tried: list[str] = []
+    for what, load in _sample_sources(spec):
+        if isinstance(load, str):  # this reading does not apply; say why
+            tried.append(f"{what}: {load}")
+            continue
+        try:
+            return load(limit)
+        except SlimlineError as err:
+            tried.append(f"{what}: {err}")
+    raise LoadTestError(
+        f"cannot load sample inputs from {spec!r}; tried, in order: {'; '.join(tried)}. Give an "
+        f".npz, a run directory, a task .py file or an example ({', '.join(_example_names())})"
+    )
+
+
+SampleSource = tuple[str, "Callable[[int], Inputs] | str"]
+
+
+def _sample_sources(spec: str) -> list[SampleSource]:
+    """Each reading of ``spec`` in order: a loader, or why the reading does not apply."""
+    path = Path(spec)
+    as_path = f"{spec!r} as a path"
+    first: SampleSource
     if path.is_dir():
-        return _from_run_dir(path, limit)
-    try:
-        rows = take_samples(load_task(spec).calibration_data(), limit)
-    except SlimlineError as err:
-        raise LoadTestError(f"cannot load sample inputs from {spec!r}: {err}") from err
-    return _checked(rows, spec)
+        first = (f"{spec!r} as a run directory", lambda n: _from_run_dir(path, n))
+    elif spec.endswith(".py"):
+        first = (f"{spec!r} as a task file", lambda n: _from_task(spec, n))
+    elif path.exists():
+        first = (as_path, "a file that is neither an .npz nor a task .py file")
+    else:
+        first = (as_path, "no such file or folder")
+    as_example = f"{spec!r} as an example name"
+    if spec in _example_names():
+        return [first, (as_example, lambda n: _from_task(spec, n))]
+    if spec.endswith(".py"):
+        return [first]
+    return [first, (as_example, f"not one of {', '.join(_example_names())}")]
+
+
+def _example_names() -> list[str]:
+    from ..examples import EXAMPLES
+
+    return sorted(EXAMPLES)
+
+
+def _from_task(spec: str, limit: int) -> Inputs:
+    return _checked(take_samples(load_task(spec).calibration_data(), limit), spec)
 
 
 def _from_npz(path: Path, limit: int) -> Inputs:
@@ -99,7 +148,7 @@ def _from_npz(path: Path, limit: int) -> Inputs:
 def _from_run_dir(path: Path, limit: int) -> Inputs:
     manifest = path / "manifest.json"
     if not manifest.is_file():
-        raise LoadTestError(f"{path} is a directory without manifest.json; give a run directory")
+        raise LoadTestError(f"{path} has no manifest.json, so it is not a run directory")
     doc = json.loads(manifest.read_text())
     recipe = doc.get("recipe") or {}
     source = (doc.get("task") or {}).get("source") or recipe.get("task")

@@ -138,17 +138,15 @@ def _http(url: str, token: str | None) -> httpx.Client:
 
 
 def sample_payloads(cfg: LoadTestConfig) -> list[Payload]:
-    """Encoded requests from ``--inputs`` (default: the model name as an example name)."""
-    if cfg.inputs is None:
-        try:
-            samples = load_samples(cfg.model)
-        except LoadTestError:
-            raise LoadTestError(
-                f"no --inputs given and {cfg.model!r} is not an example name; pass --inputs with "
-                "an .npz, a task .py file, an example (mnist, minilm) or a run directory"
-            ) from None
-    else:
-        samples = load_samples(cfg.inputs)
+    """Encoded requests from ``--inputs`` (default: the model name, read the same way)."""
+    if cfg.inputs is not None:
+        return build_payloads(load_samples(cfg.inputs), cfg.encoding, cfg.batch_size)
+    try:
+        samples = load_samples(cfg.model)
+    except LoadTestError as err:
+        raise LoadTestError(
+            f"no --inputs given, so the model name is the sample source: {err}; pass --inputs"
+        ) from None
     return build_payloads(samples, cfg.encoding, cfg.batch_size)
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import httptools
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..childproc import ChildOutput
+
 __all__ = ["StubSettings", "stub_server"]
 
 
@@ -221,16 +223,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def stub_server(*args: str) -> Iterator[str]:
+def stub_server(*args: str, ready_timeout_s: float = 60.0) -> Iterator[str]:
     """Start the stub in a subprocess with CLI ``args``; yields its base URL, then stops it."""
     cmd = [sys.executable, "-m", "slimline.loadtest.stubserver", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    output = ChildOutput(proc)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("port "):
-            raise RuntimeError(f"stub server did not start: {line!r}")
-        yield f"http://127.0.0.1:{int(line.split()[1])}"
+        try:
+            port = output.wait_for("port ", ready_timeout_s)
+        except (TimeoutError, EOFError) as err:
+            raise RuntimeError(f"stub server did not start: {err}") from None
+        yield f"http://127.0.0.1:{int(port)}"
     finally:
         proc.terminate()
         try:
@@ -238,6 +241,7 @@ def stub_server(*args: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        output.close()
         if proc.stdout is not None:
             proc.stdout.close()
 

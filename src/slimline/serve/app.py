@@ -1,8 +1,10 @@
 """The HTTP server: KServe v2 endpoints over the dynamic batcher, as a FastAPI app.
 
 ``build_app(models, settings)`` returns an ASGI app. Its lifespan creates one
-:class:`~slimline.serve.batcher.DynamicBatcher` per model, warms every batch size up (the server
-is live at once and ready after warm-up) and, at shutdown, drains every queue before it returns.
+:class:`~slimline.serve.batcher.DynamicBatcher` per model, warms it up at the powers of two up to
+``max_batch_size`` (the server is live at once and ready after warm-up) and, at shutdown, drains
+every queue before it returns. A batcher whose collector died makes the server neither live nor
+ready, so an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .. import __version__
 from ..recipe import Config
 from .batcher import (
     BatcherConfig,
+    BatcherStopped,
     DeadlineExceeded,
     DynamicBatcher,
     InferenceFailed,
@@ -99,7 +102,27 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and len(self.warm) == len(self.models)
+        return not self.draining and len(self.warm) == len(self.models) and self.healthy
+
+    @property
+    def healthy(self) -> bool:
+        """False once a model's batcher has died: nothing can be served until a restart."""
+        return self.problem is None
+
+    @property
+    def problem(self) -> str | None:
+        """Why the server is unhealthy (failed warm-up or a dead batcher), or None."""
+        if self.warmup_error:
+            return self.warmup_error
+        for name, batcher in self.batchers.items():
+            if batcher.failure is not None:
+                return f"the batcher of model {name!r} stopped ({batcher.failure})"
+        return None
+
+    def model_ready(self, name: str) -> bool:
+        batcher = self.batchers.get(name)
+        dead = batcher is not None and batcher.failure is not None
+        return name in self.warm and not self.draining and not dead
 
     async def start(self) -> None:
         for name, model in self.models.items():
@@ -219,9 +242,14 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
         doc = {"name": "slimline", "version": __version__, "extensions": ["binary_tensor_data"]}
         return _json(doc)
 
-    @app.get("/v2/health/live", response_model=LiveBody, tags=["health"])
+    @app.get(
+        "/v2/health/live",
+        response_model=LiveBody,
+        responses={503: {"model": LiveBody}},
+        tags=["health"],
+    )
     async def live() -> Response:
-        return _json({"live": True})
+        return _json({"live": state.healthy}, 200 if state.healthy else 503)
 
     @app.get(
         "/v2/health/ready",
@@ -244,7 +272,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
     async def model_ready(name: str, version: str | None = None) -> Response:
         _, problem = _lookup(state, name, version)
-        ok = problem is None and name in state.warm and not state.draining
+        ok = problem is None and state.model_ready(name)
         return problem or _json({"ready": ok}, 200 if ok else 503)
 
     # one handler per route shape, so the OpenAPI document lists exactly the path parameters
@@ -346,6 +374,9 @@ async def _answer(state: ServerState, model: ServedModel, request: Request) -> t
         return _error(str(err), 400), "bad_request"
     except (QueueFull, ShuttingDown) as err:
         return _error(str(err), 503, {"Retry-After": "1"}), "rejected"
+    except BatcherStopped as err:
+        log.error("%s", err)
+        return _error(str(err), 503), "error"
     except DeadlineExceeded as err:
         return _error(str(err), 504), "timeout"
     except InferenceFailed as err:

@@ -8,9 +8,12 @@ oldest request arrived. The batch runs in a thread pool of ``instances`` threads
 releases the GIL), so up to ``instances`` batches run at once and the event loop stays free.
 
 Queue policy: a full queue rejects at once (:class:`QueueFull`); each request has a deadline,
-and a timer answers it with :class:`DeadlineExceeded` on time, removing it from the queue if it
-has not started (it then never runs). Every request has its own future; an exception in a batch
-reaches every request in it; the model must return one result row per input row.
+and a timer answers it with :class:`DeadlineExceeded` on time. A request that has not started is
+only marked as done, in O(1); the collector drops it when it reaches it, so it never runs. Every
+request has its own future; an exception in a batch reaches every request in it; the model must
+return one result row per input row. If the collector itself dies (a bug), every queued and later
+request gets :class:`BatcherStopped` at once and :attr:`DynamicBatcher.failure` says why, so the
+server can report itself unhealthy instead of timing every request out.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "BatcherConfig",
     "BatcherError",
     "BatcherObserver",
+    "BatcherStopped",
     "DeadlineExceeded",
     "DynamicBatcher",
     "InferenceFailed",
@@ -65,6 +69,10 @@ class DeadlineExceeded(BatcherError):
     def __init__(self, message: str, *, ran: bool) -> None:
         super().__init__(message)
         self.ran = ran
+
+
+class BatcherStopped(BatcherError):
+    """The batch collector died; the model takes no requests until the server restarts."""
 
 
 class InvalidRequest(BatcherError):
@@ -137,18 +145,20 @@ class DynamicBatcher:
         self.stack = stack
         self.name = name
         self._observer = observer or _NullObserver()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[_Pending] = deque()  # may hold finished entries, skipped lazily
+        self._queued = 0  # entries of _queue still QUEUED
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(config.instances)
         self._pool = ThreadPoolExecutor(config.instances, thread_name_prefix=f"infer-{name}")
         self._tasks: set[asyncio.Task[None]] = set()
         self._collector: asyncio.Task[None] | None = None
         self._closing = False
+        self.failure: str | None = None  # why the collector died, if it did
 
     # -- public surface -------------------------------------------------------------------
     @property
     def depth(self) -> int:
-        return len(self._queue)
+        return self._queued
 
     @property
     def closing(self) -> bool:
@@ -157,19 +167,26 @@ class DynamicBatcher:
     def check_admission(self) -> None:
         """Raise now what :meth:`submit` would raise for a full queue or a closing batcher,
         so a server can turn a request away before it spends time decoding it."""
+        if self.failure is not None:
+            raise BatcherStopped(self._stopped_message())
         if self._closing:
             raise ShuttingDown(f"model {self.name} is shutting down; retry on another replica")
-        if len(self._queue) >= self.config.max_queue_size:
+        if self._queued >= self.config.max_queue_size:
             raise QueueFull(
                 f"model {self.name}: queue full ({self.config.max_queue_size} requests); "
                 "retry later"
             )
 
     def batch_sizes(self) -> list[int]:
-        """Every batch size (in rows) the batcher can form, for warm-up."""
+        """The batch sizes (in rows) to warm up: powers of two up to the largest, and the largest.
+
+        ONNX Runtime's first run at a shape pays for allocations; the powers of two cover the
+        arena's growth steps without running every size up to ``max_batch_size`` (up to 4096).
+        """
+        largest = self.config.max_batch_size
         if not self.stack:
-            return [self.config.max_batch_size]
-        return list(range(1, self.config.max_batch_size + 1))
+            return [largest]
+        return sorted({*(1 << i for i in range(largest.bit_length())), largest})
 
     def start(self) -> None:
         """Start the collector on the running event loop (idempotent)."""
@@ -178,8 +195,18 @@ class DynamicBatcher:
             self._collector.add_done_callback(self._collector_ended)
 
     def _collector_ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:  # a bug: say so loudly
-            log.error("batcher of %s stopped", self.name, exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()  # a bug: say so loudly, answer everyone, refuse new requests
+        self.failure = f"{type(err).__name__}: {err}"
+        log.error("batcher of %s stopped", self.name, exc_info=err)
+        self._fail_queued(BatcherStopped(self._stopped_message()))
+
+    def _stopped_message(self) -> str:
+        return (
+            f"model {self.name}: the batcher stopped ({self.failure}); the server is unhealthy "
+            "and must be restarted"
+        )
 
     async def submit(self, inputs: Tensors, timeout_s: float | None = None) -> Tensors:
         """Queue one request and wait for its outputs; raises a :class:`BatcherError`."""
@@ -192,7 +219,8 @@ class DynamicBatcher:
         timeout = self.config.timeout_ms / 1000.0 if timeout_s is None else timeout_s
         pending.timer = loop.call_at(now + timeout, self._expire, pending)
         self._queue.append(pending)
-        self._observer.queue_depth(len(self._queue))
+        self._queued += 1
+        self._observer.queue_depth(self._queued)
         self._arrived.set()
         try:
             return await pending.future
@@ -204,13 +232,10 @@ class DynamicBatcher:
         """Stop taking requests; with ``drain`` answer every queued one first."""
         self._closing = True
         if not drain:
-            while self._queue:
-                p = self._queue.popleft()
-                self._finish(p, error=ShuttingDown(f"model {self.name} shut down"))
-            self._observer.queue_depth(0)
+            self._fail_queued(ShuttingDown(f"model {self.name} shut down"))
         self._arrived.set()
         if self._collector is not None:
-            await self._collector
+            await asyncio.gather(self._collector, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._pool.shutdown(wait=True)
@@ -240,12 +265,8 @@ class DynamicBatcher:
         if p.future.done():
             return
         ran = p.state is _State.RUNNING
-        if p.state is _State.QUEUED:
-            self._queue.remove(p)
-            self._observer.queue_depth(len(self._queue))
-            self._arrived.set()
+        self._drop(p)
         where = "while running" if ran else "in the queue"
-        p.state = _State.DONE
         p.future.set_exception(
             DeadlineExceeded(f"model {self.name}: deadline passed {where}", ran=ran)
         )
@@ -253,17 +274,39 @@ class DynamicBatcher:
     def _forget(self, p: _Pending) -> None:
         if p.timer is not None:
             p.timer.cancel()
+        self._drop(p)
+
+    def _drop(self, p: _Pending) -> None:
+        """Mark ``p`` done in O(1); a queued entry stays in the deque until the collector or a
+        compaction skips it (it never runs)."""
         if p.state is _State.QUEUED:
-            self._queue.remove(p)
-            self._observer.queue_depth(len(self._queue))
+            self._queued -= 1
+            self._observer.queue_depth(self._queued)
             self._arrived.set()
         p.state = _State.DONE
+        self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
+        # Rebuilding only when finished entries outnumber queued ones keeps each removal
+        # amortised O(1) and the deque's dead weight (and the inputs it holds) bounded.
+        if len(self._queue) > 2 * self._queued + 64:
+            self._queue = deque(q for q in self._queue if q.state is _State.QUEUED)
+
+    def _fail_queued(self, error: BatcherError) -> None:
+        while self._queue:
+            p = self._queue.popleft()
+            if p.state is _State.QUEUED:
+                self._finish(p, error=error)
+        self._queued = 0
+        self._observer.queue_depth(0)
 
     def _finish(
         self, p: _Pending, result: Tensors | None = None, error: BaseException | None = None
     ) -> None:
         if p.timer is not None:
             p.timer.cancel()
+        if p.state is _State.QUEUED:
+            self._queued -= 1
         p.state = _State.DONE
         if p.future.done():
             return
@@ -288,12 +331,12 @@ class DynamicBatcher:
     async def _next_batch(self) -> list[_Pending] | None:
         loop = asyncio.get_running_loop()
         while True:
-            while not self._queue:
+            while not self._queued:
                 if self._closing:
                     return None
                 self._arrived.clear()
                 await self._arrived.wait()
-            first = self._queue[0]
+            first = self._oldest()
             fill_by = first.enqueued + self.config.max_queue_delay_ms / 1000.0
             while first.state is _State.QUEUED and not self._full(first):
                 wait = fill_by - loop.time()
@@ -305,6 +348,12 @@ class DynamicBatcher:
             if first.state is _State.QUEUED:
                 return self._take(self._select(first)[0])
 
+    def _oldest(self) -> _Pending:
+        """The oldest queued request; finished entries ahead of it are dropped on the way."""
+        while self._queue[0].state is not _State.QUEUED:
+            self._queue.popleft()
+        return self._queue[0]
+
     def _full(self, first: _Pending) -> bool:
         return not self.stack or self._select(first)[1] >= self.config.max_batch_size
 
@@ -313,7 +362,7 @@ class DynamicBatcher:
         chosen: list[_Pending] = []
         rows = 0
         for p in self._queue:
-            if p.key != first.key:
+            if p.state is not _State.QUEUED or p.key != first.key:
                 continue
             if rows + p.rows > self.config.max_batch_size:
                 break
@@ -324,15 +373,13 @@ class DynamicBatcher:
         return chosen, rows
 
     def _take(self, chosen: list[_Pending]) -> list[_Pending]:
-        taken = {id(p) for p in chosen}
-        if all(self._queue[i] is p for i, p in enumerate(chosen)):
-            for _ in chosen:
-                self._queue.popleft()
-        else:
-            self._queue = deque(p for p in self._queue if id(p) not in taken)
-        for p in chosen:
+        for p in chosen:  # left in the deque as RUNNING: skipped and popped lazily
             p.state = _State.RUNNING
-        self._observer.queue_depth(len(self._queue))
+        self._queued -= len(chosen)
+        while self._queue and self._queue[0].state is not _State.QUEUED:
+            self._queue.popleft()
+        self._compact_if_sparse()
+        self._observer.queue_depth(self._queued)
         return chosen
 
     # -- batch execution ------------------------------------------------------------------

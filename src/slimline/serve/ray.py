@@ -30,12 +30,20 @@ from typing import Any
 from ray import serve
 
 from ..errors import ServeError
-from .app import ServeSettings, build_app
+from .app import ServerState, ServeSettings, build_app
 from .batcher import BatcherConfig
 from .model import OrtBackend, ServedModel, resolve_model_path
 from .server import READY_LINE
 
-__all__ = ["ModelBlob", "V2Replica", "app_builder", "build_ray_app", "serve_on_ray"]
+__all__ = [
+    "ModelBlob",
+    "V2Replica",
+    "app_builder",
+    "build_ray_app",
+    "load_blobs",
+    "replica_health",
+    "serve_on_ray",
+]
 
 log = logging.getLogger(__name__)
 ModelBlob = tuple[str, bytes, dict[str, Any]]  # served name, ONNX bytes, meta
@@ -46,22 +54,38 @@ class V2Replica:
     """One Ray Serve replica: loads the models, builds the v2 app, warms up before traffic."""
 
     def __init__(self, blobs: list[ModelBlob], settings: ServeSettings) -> None:
-        self._dir = Path(tempfile.mkdtemp(prefix="slimline-replica-"))
-        self.models = []
-        for name, data, meta in blobs:
-            path = self._dir / f"{name}.onnx"
-            path.write_bytes(data)
-            backend = OrtBackend(path, settings.threads, spinning=settings.ort_spinning)
-            self.models.append(ServedModel(name, backend, source=meta.get("source", ""), meta=meta))
+        self.models = load_blobs(blobs, settings)
         self._asgi = build_app(self.models, settings, warm_first=True)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._asgi
 
     def check_health(self) -> None:
-        error = self._asgi.state.slimline.warmup_error
-        if error:
-            raise RuntimeError(error)
+        """Ray Serve calls this periodically; raising marks the replica unhealthy (restarted)."""
+        replica_health(self._asgi.state.slimline)
+
+
+def replica_health(state: ServerState) -> None:
+    """Raise if the replica cannot serve: its warm-up failed or a batcher died."""
+    problem = state.problem
+    if problem:
+        raise RuntimeError(problem)
+
+
+def load_blobs(blobs: list[ModelBlob], settings: ServeSettings) -> list[ServedModel]:
+    """ONNX Runtime sessions for the shipped models; the temp files are gone when it returns.
+
+    A session holds the whole graph in memory once created (external data is not supported
+    here), so the files are only needed while the sessions are built.
+    """
+    models = []
+    with tempfile.TemporaryDirectory(prefix="slimline-replica-") as tmp:
+        for name, data, meta in blobs:
+            path = Path(tmp) / f"{name}.onnx"
+            path.write_bytes(data)
+            backend = OrtBackend(path, settings.threads, spinning=settings.ort_spinning)
+            models.append(ServedModel(name, backend, source=meta.get("source", ""), meta=meta))
+    return models
 
 
 def read_models(paths: list[Path]) -> list[ModelBlob]:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from ..childproc import ChildOutput
 from ..errors import ServeError
 from .app import ServerState, ServeSettings, build_app
 from .model import ServedModel
@@ -121,8 +122,8 @@ def run_in_thread(
 def _wait_ready(ready: Any, dead: Any, timeout_s: float, state: ServerState | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
-        if state is not None and state.warmup_error:
-            raise ServeError(state.warmup_error)
+        if state is not None and state.problem:
+            raise ServeError(state.problem)
         if dead():
             raise ServeError("the server stopped during start-up; see its log")
         if time.monotonic() > deadline:
@@ -137,14 +138,18 @@ def run_in_subprocess(
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:  # fmt: skip
     """``python -m slimline.serve PATHS --port 0 ARGS`` in a child; yields (URL, process).
 
-    On exit the child gets SIGTERM and is waited for (it drains first).
+    The URL line and readiness are both awaited within ``ready_timeout_s``; the child's stdout
+    is drained for its whole life, so it never blocks on a full pipe. On exit the child gets
+    SIGTERM and is waited for (it drains first).
     """
     cmd = [sys.executable, "-m", "slimline.serve", *map(str, paths), "--port", "0", *args]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
     )
+    output = ChildOutput(proc)
+    started = time.monotonic()
     try:
-        url = _read_url(proc)
+        url = _read_url(proc, output, ready_timeout_s)
         token = _token_from(args) or (env or {}).get(TOKEN_ENV) or os.environ.get(TOKEN_ENV)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -154,7 +159,8 @@ def run_in_subprocess(
             except httpx.HTTPError:
                 return False
 
-        _wait_ready(ready, lambda: proc.poll() is not None, ready_timeout_s)
+        left = ready_timeout_s - (time.monotonic() - started)
+        _wait_ready(ready, lambda: proc.poll() is not None, max(left, 0.0))
         yield url, proc
     finally:
         if proc.poll() is None:
@@ -164,16 +170,22 @@ def run_in_subprocess(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        output.close()
         if proc.stdout is not None:
             proc.stdout.close()
 
 
-def _read_url(proc: subprocess.Popen[str]) -> str:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(READY_LINE):
-            return line[len(READY_LINE) :].strip()
-    raise ServeError(f"the server exited with status {proc.wait()} before listening; see stderr")
+def _read_url(proc: subprocess.Popen[str], output: ChildOutput, timeout_s: float) -> str:
+    try:
+        return output.wait_for(READY_LINE, timeout_s)
+    except EOFError:
+        raise ServeError(
+            f"the server exited with status {proc.wait()} before listening; see stderr"
+        ) from None
+    except TimeoutError:
+        raise ServeError(
+            f"the server printed no {READY_LINE!r} line within {timeout_s:g} s; see stderr"
+        ) from None
 
 
 def _token_from(args: Sequence[str]) -> str | None:

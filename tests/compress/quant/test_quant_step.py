@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -24,6 +25,25 @@ def _input(onnx_path: Path) -> Candidate:
     return Candidate("fp32-onnx", "export", None, onnx=onnx_path)
 
 
+def _fp32_timed_slow(ctx: StepContext, factor: float = 10.0) -> None:
+    """Real timings, with FP32's scaled up ``factor`` times: every candidate is then faster than
+    FP32, so which one is chosen depends only on the budget and the candidates' own timings."""
+    real = ctx._compare
+    assert real is not None
+
+    def compare(cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+        figures = real(cands)
+        lat = figures[ctx.baseline.name]["latency_ms"]
+        for key, value in lat.items():
+            if isinstance(value, (int, float)):
+                lat[key] = value * factor
+            elif isinstance(value, list):
+                lat[key] = [v * factor for v in value]
+        return figures
+
+    ctx._compare = compare
+
+
 @pytest.fixture(scope="module")
 def auto_run(
     cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory
@@ -31,6 +51,7 @@ def auto_run(
     task = cnn_task(cnn_onnx)
     work = tmp_path_factory.mktemp("auto") / "work"
     ctx = make_ctx(task, cnn_onnx, work, {"max_metric_drop": 0.05, "min_cosine": 0.98})
+    _fp32_timed_slow(ctx)  # the choice is forced: a candidate within budget is always chosen
     cfg = QuantizeConfig(samples=64, keep_first_last_float=True)  # explicit: no edges-int8 variant
     return quantize_step(cfg, _input(cnn_onnx), ctx), ctx, work
 
@@ -56,17 +77,36 @@ def test_auto_mode_records_every_candidate_and_what_it_applied(
     assert len(ctx.alternatives) == len(labels) - 1
     assert all(a.accepted is False and a.reason and a.measurement for a in ctx.alternatives)
     assert any("fewer than 300" in w for w in ctx.warnings)
-    # the choice follows the measurements it recorded
+    # the choice follows the measurements it recorded: FP32 is timed 10x slower (auto_run), so
+    # a candidate within budget is chosen, and it is the fastest of those within budget
+    assert "no_candidate_met_budget" not in meta
     chosen = next(c for c in meta["search"]["candidates"] if c["label"] == meta["label"])
-    if "no_candidate_met_budget" not in meta:
-        assert chosen["budget_ok"] and chosen["ratio_vs_fp32"] < 1 - ctx.recipe.budget.min_gain
-        faster_ok = [
-            c
-            for c in meta["search"]["candidates"]
-            if c["budget_ok"] and c["ratio_vs_fp32"] < chosen["ratio_vs_fp32"]
-        ]
-        assert not any(a.reason.startswith("fastest") for a in ctx.alternatives) and faster_ok == []
+    assert chosen["budget_ok"] and chosen["ratio_vs_fp32"] < 1 - ctx.recipe.budget.min_gain
+    faster_ok = [
+        c
+        for c in meta["search"]["candidates"]
+        if c["budget_ok"] and c["ratio_vs_fp32"] < chosen["ratio_vs_fp32"]
+    ]
+    assert faster_ok == []
+    assert not any(a.reason.startswith("fastest") for a in ctx.alternatives)
     assert out.measurement is not None and out.measurement["fidelity"]["cosine_mean"] > 0.98
+
+
+def test_no_candidate_within_budget_is_recorded_with_every_candidates_reason(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    task = cnn_task(cnn_onnx)
+    # a cosine of exactly 1.0 is out of reach for any INT8 model: the rejection is forced
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"min_cosine": 1.0})
+    _fp32_timed_slow(ctx)
+    cfg = QuantizeConfig(samples=64, keep_first_last_float=True, mixed_precision=False)
+    out = quantize_step(cfg, _input(cnn_onnx), ctx)
+    why = out.meta["no_candidate_met_budget"]
+    assert why.startswith("no candidate is both faster than FP32 and within budget; ")
+    labels = [c["label"] for c in out.meta["search"]["candidates"]]
+    assert len(labels) >= 2 and not any(c["budget_ok"] for c in out.meta["search"]["candidates"])
+    assert why.count("over budget: ") == len(labels)  # every candidate, with its reason
+    assert any(w.startswith("quantize: no candidate") for w in ctx.warnings)
 
 
 def test_report_sections_render_the_step_record(

@@ -208,18 +208,24 @@ def _ray(
     import ray
     from ray.util import ActorPool
 
+    connected_here = not ray.is_initialized()
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    spec_ref = ray.put(spec)
-    actor_cls = ray.remote(num_cpus=1)(_RayWorker)
-    actors = [actor_cls.remote(spec_ref) for _ in range(max(1, min(cpus, len(jobs))))]
-    results = []
-    for res in ActorPool(actors).map_unordered(lambda a, j: a.run.remote(j), jobs):
-        results.append(res)
-        progress(1)
-    for a in actors:
-        ray.kill(a)  # type: ignore[arg-type]
-    return results
+    actors: list[Any] = []
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        spec_ref = ray.put(spec)
+        actor_cls = ray.remote(num_cpus=1)(_RayWorker)
+        actors = [actor_cls.remote(spec_ref) for _ in range(max(1, min(cpus, len(jobs))))]
+        results = []
+        for res in ActorPool(actors).map_unordered(lambda a, j: a.run.remote(j), jobs):
+            results.append(res)
+            progress(1)
+        return results
+    finally:  # on success and on failure: the sweep's actors never outlive it
+        for a in actors:
+            ray.kill(a)
+        if connected_here:
+            ray.shutdown()
 
 
 def run_sweep(
