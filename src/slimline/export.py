@@ -17,6 +17,7 @@ from .context import StepContext
 from .errors import ExportError
 from .measure.quality import fidelity
 from .measure.runners import OrtRunner, TorchRunner
+from .module_guard import eval_module
 from .recipe import StepConfig
 from .record import atomic_write_bytes
 from .steps import step
@@ -48,7 +49,7 @@ def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> P
     args = tuple(torch.from_numpy(np.ascontiguousarray(sample[n])) for n in names)
     dynamic = {n: {0: "batch"} for n in [*names, "output"]}
     buf = io.BytesIO()
-    module = module.eval()
+    module = eval_module(module)  # the caller's module keeps its training flags
     try:
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
