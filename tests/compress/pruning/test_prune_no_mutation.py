@@ -10,6 +10,8 @@ builds a fresh module per call.
 
 from __future__ import annotations
 
+import copy
+import io
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,14 @@ import pytest
 import torch
 
 from slimline.candidate import module_hash
+from slimline.compress.finetune import to_tensors
+from slimline.compress.pruning import sensitivity
 from slimline.compress.pruning import step as prune_mod
+from slimline.compress.pruning.graph import apply_history
+from slimline.compress.pruning.sensitivity import SweepSpec
 from slimline.pipeline import Run, run_recipe
 from slimline.recipe import recipe_from_dict
+from slimline.task import load_task
 
 TASK = Path(__file__).parents[2] / "fixtures" / "cached_model_task.py"
 PRUNE = {
@@ -135,3 +142,22 @@ def test_every_figure_equals_a_run_on_fresh_modules(runs: dict, how: str) -> Non
         assert g["metric"]["value"] == w["metric"]["value"], name
         assert g["fidelity"]["cosine_mean"] == pytest.approx(w["fidelity"]["cosine_mean"]), name
         assert got[name].accepted == cand.accepted, name
+
+
+def test_a_sweep_worker_prunes_a_copy_of_the_tasks_module() -> None:
+    """What a process-pool or Ray worker does: the task loaded again, its model() pruned to the
+    input model's shape; the task's own module must stay whole."""
+    task = load_task(str(TASK))
+    example = task.sample_inputs(2)
+    history = [["conv", True, list(range(16))]]
+    pruned = apply_history(copy.deepcopy(task.model()), to_tensors(example), history)
+    buf = io.BytesIO()
+    torch.save(pruned.state_dict(), buf)
+    spec = SweepSpec(str(TASK), None, history, buf.getvalue(), 8, 1, example)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("slimline.task.load_task", lambda *a: task)  # the worker's own load
+        evaluator = sensitivity._rebuild(spec)
+    assert evaluator.model.conv.out_channels == 48
+    cached = task.model()
+    assert cached.conv.out_channels == 64 and task.model() is cached
+    assert all(torch.equal(v, task.module.BUILT_STATE[k]) for k, v in cached.state_dict().items())
