@@ -304,9 +304,10 @@ class SweepEstimate:
     """The total time of a sweep, estimated once its first jobs are done, and announced when it
     exceeds ``limit`` seconds.
 
-    The first ``parallel`` jobs (one per worker: the first wave, which also pays for starting
-    the workers) are timed; the estimate is the time so far plus the remaining jobs at their
-    mean measured time, spread over the workers. Each job reports its own ``seconds``.
+    The first two waves of jobs are timed (two per worker, each job reports its own
+    ``seconds``). The estimate is the time so far plus the remaining jobs at the second wave's
+    mean time, spread over the workers: the first wave also pays for warming up (worker start,
+    first-run kernel setup), which once measured 4x a steady job.
     """
 
     def __init__(
@@ -332,31 +333,39 @@ class SweepEstimate:
         self.job_seconds.append(float(result.get("seconds", 0.0)))
         if self.on_job is not None:
             self.on_job()
-        if self.seconds is None and len(self.job_seconds) >= min(self.parallel, self.jobs):
+        if self.seconds is None and len(self.job_seconds) >= self.sample_jobs:
             self._estimate()
+
+    @property
+    def sample_jobs(self) -> int:
+        return min(2 * self.parallel, self.jobs)
+
+    def _steady_job_seconds(self) -> float:
+        steady = self.job_seconds[self.parallel : self.sample_jobs] or self.job_seconds
+        return sum(steady) / len(steady)
 
     def elapsed(self) -> float:
         return self.clock() - self.start
 
     def _estimate(self) -> None:
         done = len(self.job_seconds)
-        per_job = sum(self.job_seconds) / done
+        per_job = self._steady_job_seconds()
         self.seconds = self.elapsed() + per_job * (self.jobs - done) / self.parallel
         if self.seconds <= self.limit:
             log.info("sensitivity map: %d jobs, about %.0f s", self.jobs, self.seconds)
             return
         self.message = (
             f"sensitivity sweep: {self.jobs} jobs will take about {_minutes(self.seconds)} "
-            f"(estimated from the first {done}: {per_job:.1f} s each, {self.backend}); "
+            f"(estimated from the first {done}: {per_job:.1f} s a job, {self.backend}); "
             f"{self.hint}"
         )
         log.warning(self.message)
 
     def to_dict(self) -> dict[str, Any]:
-        per_job = sum(self.job_seconds) / len(self.job_seconds) if self.job_seconds else None
+        per_job = self._steady_job_seconds() if self.job_seconds else None
         return {
             "seconds": None if self.seconds is None else round(self.seconds, 2),
-            "from_jobs": min(self.parallel, self.jobs),
+            "from_jobs": self.sample_jobs,
             "job_seconds": None if per_job is None else round(per_job, 3),
             "limit_seconds": self.limit,
             "announced": self.message,
