@@ -7,7 +7,7 @@ one torch thread each) or, when the recipe names a cluster, on Ray actors
 ranking is computed once, in the parent, so workers do no gradient work and agree on the order.
 
 A sweep can take many minutes on a large model, so its total is estimated from its first jobs
-(one per worker) and announced, with the settings that shorten it, when it exceeds
+(two per worker) and announced, with the settings that shorten it, when it exceeds
 :data:`SLOW_SWEEP_SECONDS`; the table records the estimate next to the time it took.
 """
 
