@@ -20,6 +20,7 @@ from .context import StepContext
 from .errors import ExportError
 from .measure.quality import fidelity
 from .measure.runners import ort_session
+from .module_guard import eval_module
 from .recipe import StepConfig
 from .record import atomic_write_bytes
 from .steps import Contract, step
@@ -133,7 +134,7 @@ def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> P
     import torch
 
     names = list(sample)
-    module = module.eval()
+    module = eval_module(module)  # the caller's module keeps its training flags
     outputs = output_names(module, sample)
     args = tuple(torch.from_numpy(np.ascontiguousarray(sample[n])) for n in names)
     dynamic = {n: {0: "batch"} for n in [*names, *outputs]}

@@ -38,6 +38,7 @@ from .measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift, 
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
 from .measure.runners import check_candidate, make_runner
+from .module_guard import eval_module
 from .paths import cache_dir
 from .recipe import BenchConfig, Recipe, StepConfig
 from .record import (
@@ -199,9 +200,9 @@ def _baselines(run: Run) -> None:
         run.reference = _reference(run, fp32)
         return
     assert task.model is not None
-    module = task.model()
-    if hasattr(module, "eval"):
-        module.eval()
+    # model() may return the same object every call: it is run, never changed (an eval-mode
+    # copy when it comes in training mode), and every step copies before changing a module
+    module = eval_module(task.model())
     run.hashes["model"] = module_hash(module)
     torch_cand = Candidate(
         "fp32-torch", "fp32", None, module=module, accepted=True, reason="baseline"

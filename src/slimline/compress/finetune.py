@@ -21,6 +21,7 @@ import numpy as np
 from pydantic import Field
 
 from ..errors import DataError, RecipeError
+from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
 
@@ -340,6 +341,10 @@ def distill(
 ) -> FinetuneResult:
     """Fine-tune ``student`` in place to match ``teacher``; returns what happened.
 
+    ``student`` must be the caller's own module (its weights, BatchNorm statistics and training
+    flag change); ``teacher`` is only run, in eval mode: a teacher in training mode is run as an
+    eval-mode copy, so the caller's teacher keeps its flags and statistics.
+
     ``batches()`` yields ``(inputs, labels or None)``; labels add the task loss (``task.loss`` if
     defined, cross-entropy for integer labels on logits). The best held-out weights are kept.
     With a ``checkpoint``, the whole training state (weights, optimizer, schedule, best weights,
@@ -352,7 +357,7 @@ def distill(
 
     lr = resolve_lr(task, cfg)
     hooks = hooks or DistillHooks()
-    teacher.eval()
+    teacher = eval_module(teacher)
     hooks.prepare_student(student)
     val, skip = _split(batches, cfg.val_batches)
     before = _val_loss(student, teacher, val, output_kind, cfg)
@@ -495,9 +500,13 @@ def accumulate_gradients(
 ) -> int:
     """Run forward/backward on up to ``n_batches`` so ``.grad`` holds the summed loss gradients
     (for first-order Taylor importance). Returns how many batches contributed; 0 means the data
-    carries no gradient signal (unlabelled, non-logit outputs) and Taylor importance is unusable."""
+    carries no gradient signal (unlabelled, non-logit outputs) and Taylor importance is unusable.
+
+    ``model`` must be the caller's own module: its gradients and training flag change. The
+    teacher is only run, in eval mode (an eval-mode copy when it is in training mode)."""
     import torch
 
+    teacher = eval_module(teacher)
     model.zero_grad(set_to_none=True)
     model.eval()  # gradients of the deployed (eval-mode) function, without dropout noise
     used = 0

@@ -8,12 +8,14 @@ the per-round values, so a reader can tell a real difference from noise.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from ..candidate import Candidate
+from ..module_guard import torch_threads
 from ..recipe import BenchConfig
 from ..signature import Signature, tile_rows
 from ..task import Inputs
@@ -196,6 +198,21 @@ def benchmark(
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
     interleaved."""
+    torch_runs = any(c.onnx is None for c in cands)
+    # pinned once for the whole benchmark, so that a torch runner changes nothing per call
+    with torch_threads(threads) if torch_runs else nullcontext():
+        return _benchmark(cands, sample, bench, threads, throughput, desc, signature)
+
+
+def _benchmark(
+    cands: list[Candidate],
+    sample: Inputs,
+    bench: BenchConfig,
+    threads: int,
+    throughput: bool,
+    desc: str,
+    signature: Signature | None,
+) -> dict[str, dict[str, Any]]:
     runners = [make_runner(c, threads, signature) for c in cands]
     one = tile_batch(sample, 1, signature)
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]

@@ -6,7 +6,8 @@ that takes one row per call gets the rows in turn, and their outputs are joined 
 output's batch axis.
 
 ONNX Runtime sessions are pinned to the target's thread count (intra-op = threads, inter-op = 1,
-sequential execution); torch runs with ``torch.set_num_threads(threads)`` in inference mode.
+sequential execution); torch runs with ``threads`` torch threads in inference mode, and puts the
+process's thread count back after each call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from ..candidate import Candidate
 from ..errors import CandidateError, InputMismatchError, ModelFileError, SlimlineError
+from ..module_guard import eval_module, torch_threads
 from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
 from ..tensors import Inputs, check_inputs
 
@@ -233,18 +235,19 @@ class OrtRunner:
 
 
 class TorchRunner:
-    def __init__(self, name: str, module: Any, threads: int) -> None:
-        import torch
+    """Runs ``module`` in eval mode with ``threads`` torch threads, changing neither: a module
+    in training mode is run as an eval-mode copy, and the thread count is set per call and put
+    back (a no-op when it already is ``threads``, as inside :func:`~.latency.benchmark`)."""
 
+    def __init__(self, name: str, module: Any, threads: int) -> None:
         self.name = name
-        self.module = module.eval()
+        self.module = eval_module(module)
         self.threads = threads
-        torch.set_num_threads(threads)
 
     def run(self, inputs: Inputs) -> np.ndarray:
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(self.threads):
             try:
                 out = self.module(
                     **{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}

@@ -300,3 +300,26 @@ def test_hooks_plug_into_the_loop_without_changing_it() -> None:
     assert rec.calls[1:] == [(kind, s) for s in range(1, 7) for kind in ("forward", "step")]
     assert torch.equal(hooked.a.weight, before_a)  # its parameter group's lr is 0
     assert not torch.equal(hooked.b.weight, plain.b.weight)  # the other group trained
+
+
+class NormNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def test_a_teacher_in_training_mode_is_only_run_never_changed() -> None:
+    torch.manual_seed(0)
+    teacher = NormNet().train()  # BatchNorm in training mode would update its statistics
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student = copy.deepcopy(teacher).eval()
+    cfg = FinetuneConfig(steps=4, eval_every=2, val_batches=2, progress=False, features="a")
+    distill(student, teacher, _batches(), cfg, output_kind="logits")
+    accumulate_gradients(student, teacher, _batches(), 2, output_kind="logits")
+    assert all(m.training for m in teacher.modules())
+    assert all(torch.equal(v, state[k]) for k, v in teacher.state_dict().items())
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(not m._forward_hooks for m in teacher.modules())

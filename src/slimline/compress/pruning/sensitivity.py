@@ -5,6 +5,10 @@ Every (group, ratio) job is independent, so the sweep runs on a process pool (sp
 one torch thread each) or, when the recipe names a cluster, on Ray actors
 (``ray.init(address=...)``). A job carries only the channel indices to remove: the importance
 ranking is computed once, in the parent, so workers do no gradient work and agree on the order.
+
+A sweep can take many minutes on a large model, so its total is estimated from its first jobs
+(two per worker) and announced, with the settings that shorten it, when it exceeds
+:data:`SLOW_SWEEP_SECONDS`; the table records the estimate next to the time it took.
 """
 
 from __future__ import annotations
@@ -22,12 +26,23 @@ import numpy as np
 
 from ...errors import DataError, StepError
 from ...measure.quality import fidelity
+from ...module_guard import private_copy
 from ...task import Task, iter_rows
 from .graph import PruneGraph, apply_history, keep_units, prune_channels
 
-__all__ = ["Job", "SweepSpec", "build_jobs", "run_sweep", "table_losses"]
+__all__ = [
+    "SLOW_SWEEP_SECONDS",
+    "Job",
+    "SweepEstimate",
+    "SweepSpec",
+    "build_jobs",
+    "run_sweep",
+    "table_losses",
+]
 
 log = logging.getLogger("slimline.prune")
+SLOW_SWEEP_SECONDS = 300.0  # a sweep estimated to take longer is announced before it goes on
+_clock = time.perf_counter  # module-level so tests can drive the timing with a fake clock
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,7 @@ class Evaluator:
         return np.concatenate(outs)
 
     def run(self, job: Job) -> dict[str, Any]:
+        start = _clock()
         model = copy.deepcopy(self.model)
         prune_channels(model, self.example, job.root, list(job.idxs))
         outputs = self._outputs(model.eval())
@@ -129,6 +145,7 @@ class Evaluator:
             "keep": job.keep,
             "metric": float(self.task.metric(outputs, self.labels)),
             "cosine": float(fid["cosine_mean"] or 0.0),
+            "seconds": _clock() - start,
         }
 
 
@@ -149,7 +166,8 @@ def _rebuild(spec: SweepSpec) -> Evaluator:
             f"task {task.name} has no model(); the sensitivity sweep needs a torch model"
         )
     example = to_tensors(spec.example)
-    model = apply_history(task.model().eval(), example, spec.history)
+    # a copy: model() may hand out one shared object, and the history prunes in place
+    model = apply_history(private_copy(task.model()).eval(), example, spec.history)
     model.load_state_dict(torch.load(io.BytesIO(spec.state), weights_only=True))
     return Evaluator(model, task, spec.eval_limit, example)
 
@@ -175,17 +193,17 @@ class _RayWorker:
 
 # -- backends ----------------------------------------------------------------------------------
 def _sequential(
-    evaluator: Evaluator, jobs: list[Job], progress: Callable[[int], None]
+    evaluator: Evaluator, jobs: list[Job], finished: Callable[[dict[str, Any]], None]
 ) -> list[dict[str, Any]]:
     results = []
     for job in jobs:
         results.append(evaluator.run(job))
-        progress(1)
+        finished(results[-1])
     return results
 
 
 def _process_pool(
-    spec: SweepSpec, jobs: list[Job], workers: int, progress: Callable[[int], None]
+    spec: SweepSpec, jobs: list[Job], workers: int, finished: Callable[[dict[str, Any]], None]
 ) -> list[dict[str, Any]]:
     import multiprocessing as mp
 
@@ -198,12 +216,12 @@ def _process_pool(
     ) as pool:
         for res in pool.map(_run_job, jobs):
             results.append(res)
-            progress(1)
+            finished(res)
     return results
 
 
 def _ray(
-    spec: SweepSpec, jobs: list[Job], address: str, progress: Callable[[int], None]
+    spec: SweepSpec, jobs: list[Job], address: str, estimate: SweepEstimate
 ) -> list[dict[str, Any]]:
     import ray
     from ray.util import ActorPool
@@ -216,10 +234,11 @@ def _ray(
         spec_ref = ray.put(spec)
         actor_cls = ray.remote(num_cpus=1)(_RayWorker)
         actors = [actor_cls.remote(spec_ref) for _ in range(max(1, min(cpus, len(jobs))))]
+        estimate.parallel = len(actors)
         results = []
         for res in ActorPool(actors).map_unordered(lambda a, j: a.run.remote(j), jobs):
             results.append(res)
-            progress(1)
+            estimate.finished(res)
         return results
     finally:  # on success and on failure: the sweep's actors never outlive it
         for a in actors:
@@ -244,32 +263,123 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     jobs, keeps = build_jobs(graph, order, ratios, max_ratio)
-    start = time.perf_counter()
+    samples = sum(len(next(iter(b.values()))) for b, _ in evaluator.batches)
+    pool = workers > 1 and spec is not None and len(jobs) > 1
+    backend = (
+        f"ray({ray_address})"
+        if ray_address
+        else f"process-pool({workers})"
+        if pool
+        else "in-process"
+    )
     bar = tqdm(total=len(jobs), desc="sensitivity", disable=not progress, leave=False)
+    estimate = SweepEstimate(
+        len(jobs),
+        workers if pool else 1,
+        backend=backend,
+        hint=_shorter_sweep_hint(samples, len(ratios), workers),
+        on_job=lambda: bar.update(1),
+    )
     if ray_address:
         if spec is None:
             raise StepError(
                 "a Ray sweep needs a task loadable by its source (an example name or a .py file)"
             )
-        backend = f"ray({ray_address})"
-        results = _ray(spec, jobs, ray_address, bar.update)
-    elif workers > 1 and spec is not None and len(jobs) > 1:
-        backend = f"process-pool({workers})"
-        results = _process_pool(spec, jobs, workers, bar.update)
+        results = _ray(spec, jobs, ray_address, estimate)
+    elif pool:
+        assert spec is not None
+        results = _process_pool(spec, jobs, workers, estimate.finished)
     else:
-        backend = "in-process"
-        results = _sequential(evaluator, jobs, bar.update)
+        results = _sequential(evaluator, jobs, estimate.finished)
     bar.close()
-    return _table(
-        graph,
-        keeps,
-        results,
-        evaluator.base_metric,
-        ratios,
-        backend,
-        time.perf_counter() - start,
-        sum(len(next(iter(b.values()))) for b, _ in evaluator.batches),
+    seconds = estimate.elapsed()
+    table = _table(graph, keeps, results, evaluator.base_metric, ratios, backend, seconds, samples)
+    return {**table, "estimate": estimate.to_dict()}
+
+
+def _shorter_sweep_hint(samples: int, ratios: int, workers: int) -> str:
+    return (
+        f"to shorten it, lower `sensitivity_samples` (now {samples} rows) or use fewer `ratios` "
+        f"(now {ratios}), raise `round_to` or `exclude` layers (fewer distinct jobs), raise "
+        f"`workers` (now {workers}) or set `ray_address`; or skip the sweep with `plan:` "
+        "copied from an earlier run's manifest"
     )
+
+
+class SweepEstimate:
+    """The total time of a sweep, estimated once its first jobs are done, and announced when it
+    exceeds ``limit`` seconds.
+
+    The first two waves of jobs are timed (two per worker, each job reports its own
+    ``seconds``). The estimate is the time so far plus the remaining jobs at the second wave's
+    mean time, spread over the workers: the first wave also pays for warming up (worker start,
+    first-run kernel setup), which once measured 4x a steady job.
+    """
+
+    def __init__(
+        self,
+        jobs: int,
+        parallel: int,
+        *,
+        backend: str,
+        hint: str,
+        on_job: Callable[[], None] | None = None,
+        limit: float = SLOW_SWEEP_SECONDS,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.jobs, self.parallel, self.backend, self.hint = jobs, max(1, parallel), backend, hint
+        self.on_job, self.limit = on_job, limit
+        self.clock = clock or _clock
+        self.start = self.clock()
+        self.job_seconds: list[float] = []
+        self.seconds: float | None = None  # the estimate, once made
+        self.message: str | None = None  # what was announced, if the sweep is long
+
+    def finished(self, result: dict[str, Any]) -> None:
+        self.job_seconds.append(float(result.get("seconds", 0.0)))
+        if self.on_job is not None:
+            self.on_job()
+        if self.seconds is None and len(self.job_seconds) >= self.sample_jobs:
+            self._estimate()
+
+    @property
+    def sample_jobs(self) -> int:
+        return min(2 * self.parallel, self.jobs)
+
+    def _steady_job_seconds(self) -> float:
+        steady = self.job_seconds[self.parallel : self.sample_jobs] or self.job_seconds
+        return sum(steady) / len(steady)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def _estimate(self) -> None:
+        done = len(self.job_seconds)
+        per_job = self._steady_job_seconds()
+        self.seconds = self.elapsed() + per_job * (self.jobs - done) / self.parallel
+        if self.seconds <= self.limit:
+            log.info("sensitivity map: %d jobs, about %.0f s", self.jobs, self.seconds)
+            return
+        self.message = (
+            f"sensitivity sweep: {self.jobs} jobs will take about {_minutes(self.seconds)} "
+            f"(estimated from the first {done}: {per_job:.1f} s a job, {self.backend}); "
+            f"{self.hint}"
+        )
+        log.warning(self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        per_job = self._steady_job_seconds() if self.job_seconds else None
+        return {
+            "seconds": None if self.seconds is None else round(self.seconds, 2),
+            "from_jobs": self.sample_jobs,
+            "job_seconds": None if per_job is None else round(per_job, 3),
+            "limit_seconds": self.limit,
+            "announced": self.message,
+        }
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _table(

@@ -11,7 +11,6 @@ table is a JSON entry of the step cache that a run with another target or fine-t
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import logging
@@ -26,6 +25,7 @@ from pydantic import Field, field_validator
 from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import RecipeError, StepError
+from ...module_guard import private_copy, torch_threads
 from ...recipe import StepConfig
 from ...record import atomic_write_bytes, atomic_write_json
 from ...steps import Contract, step
@@ -114,14 +114,16 @@ def _save_module(workdir: Path, module: Any, history: list[list[Any]]) -> dict[s
 
 
 def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> Any:
-    """Rebuild the pruned module of a cached prune step: the task's model, the recorded channel
-    removals re-applied, then the saved weights (``torch.load(weights_only=True)``)."""
+    """Rebuild the pruned module of a cached prune step: a copy of the task's model, the
+    recorded channel removals re-applied, then the saved weights
+    (``torch.load(weights_only=True)``). The task's own module is left as it was: ``model()``
+    may return the same object every call, and it is the FP32 baseline."""
     import torch
 
     if task.model is None:
         raise StepError(f"task {task.name} has no model(); a cached prune step cannot be restored")
     history = json.loads((Path(entry) / meta["history_file"]).read_text())
-    model = task.model().eval()
+    model = private_copy(task.model()).eval()
     apply_history(model, to_tensors(task.sample_inputs(2)), history)
     model.load_state_dict(torch.load(Path(entry) / meta["weights"], weights_only=True))
     setattr(model, HISTORY_ATTR, history)
@@ -346,9 +348,10 @@ def _plan(
         cache.put_json(SWEEP_KIND, sweep_key, table)
         state.save(sensitivity=table)
         log.info(
-            "sensitivity map: %d jobs in %.1fs (%s)",
+            "sensitivity map: %d jobs in %.1fs (estimated %ss; %s)",
             table["jobs"],
             table["seconds"],
+            table["estimate"]["seconds"],
             table["backend"],
         )
     plan = make_plan(
@@ -519,7 +522,7 @@ def _input_module(cand: Candidate) -> Any:
 
 def _graph(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> PruneGraph:
     graph = PruneGraph(
-        copy.deepcopy(module).eval(),
+        private_copy(module).eval(),  # Torch-Pruning changes the model in place
         example,
         exclude=cfg.exclude,
         keep_first_last=cfg.keep_first_last,
@@ -534,7 +537,7 @@ def _graph(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> PruneGraph
 
 
 def _frozen(module: Any) -> Any:
-    teacher = copy.deepcopy(module).eval()
+    teacher = private_copy(module).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher
@@ -553,10 +556,13 @@ def _share(before: int, after: int) -> dict[str, Any]:
     restore=restore_pruned,
 )
 def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
-    import torch
+    """Prune a copy of ``cand``'s module: the parent's module (and the task's) is left as it was."""
+    with torch_threads(ctx.threads):
+        return _prune(cfg, cand, ctx)
 
+
+def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     module = _input_module(cand)
-    torch.set_num_threads(ctx.threads)
     base_history = list(getattr(module, HISTORY_ATTR, []))
     teacher = _frozen(module)
     graph = _graph(cfg, module, to_tensors(ctx.task.sample_inputs(cfg.example_batch)))
