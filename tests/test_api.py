@@ -86,7 +86,8 @@ def test_injected_evaluate_and_compare_are_the_ones_steps_call(
     )
     out = api.quantize(ctx, ctx.baseline, QuantizeConfig(mode="auto", samples=32))
     tried = {out.name, *(a.name for a in ctx.alternatives)}
-    assert evaluated and set(evaluated) >= tried - {"quantize"}  # every variant's quality came from `evaluate`
+    # every variant's quality came from the injected `evaluate`
+    assert evaluated and set(evaluated) >= tried - {"quantize"}
     assert compared and all(names[0] == "fp32-onnx" for names in compared)
     assert out.measurement is not None and "fidelity" in out.measurement
 
