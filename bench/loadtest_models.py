@@ -9,7 +9,7 @@ against a real ``slimline serve`` child process on this machine:
 3. ``slimline tune-serving`` on the run (a bounded grid), against the default settings.
 
     .venv/bin/python bench/loadtest_models.py /tmp/runs/mnist --slo-p99-ms 50 \
-        --out bench/out/loadtest/mnist.json
+        --out bench/out/loadtest/mnist.md
 
 The generator and the server share this machine's cores, so the knees are what one such machine
 serves while also generating its own load: a lower bound for a dedicated server. Each server runs
@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench_out import NOT_MEASURED, figure, publish, reproduce_command, reproduce_footer
 from slimline.loadtest.capacity import plan_capacity
 from slimline.loadtest.payload import build_payloads, load_samples
 from slimline.loadtest.result import write_json
@@ -65,7 +67,32 @@ def sweep_variant(path: Path, payloads: list[Any], args: argparse.Namespace) -> 
         )
 
 
-def main() -> None:
+def _markdown(doc: dict[str, Any], cmd: str) -> str:
+    lines = [
+        f"`{doc['task']}` served by slimline (run `{doc['run_dir']}`, selected "
+        f"`{doc['selected']}`), SLO p99 {doc['slo_p99_ms']:g} ms.",
+        "",
+        "| variant | knee (offered rps at the SLO) | machines for the peak |",
+        "|---|---:|---:|",
+    ]
+    for name, v in doc["variants"].items():
+        knee = v["knee"]["offered_rate"] if v["knee"] else None
+        machines = v["capacity"]["machines"] if v["capacity"] else None
+        lines.append(
+            f"| {name} | {figure(knee, '.0f')} | "
+            f"{figure(machines, 'd') if knee is not None else NOT_MEASURED + ' (no knee)'} |"
+        )
+    tune = doc["tune"]
+    gain = tune.get("gain_vs_default")
+    lines += [
+        "",
+        f"tune-serving: best {tune.get('best') or NOT_MEASURED}; knee vs the default settings "
+        f"{figure(gain, '.2f', 'x')}.",
+    ]
+    return "\n".join([*lines, *reproduce_footer(cmd)])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--slo-p99-ms", type=float, default=50.0)
@@ -78,8 +105,8 @@ def main() -> None:
     ap.add_argument(
         "--min-requests", type=int, default=200, help="requests per sweep step, at least"
     )
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, required=True, help="markdown (and .json beside it)")
+    args = ap.parse_args(argv)
     manifest = json.loads((args.run_dir / "manifest.json").read_text())
     variants = run_variants(args.run_dir, None)
     picks = [v for v in dict.fromkeys(["fp32-onnx", manifest["selected"]]) if v in variants]
@@ -100,16 +127,6 @@ def main() -> None:
             else None
         )
         doc["variants"][name] = {"knee": sweep["knee"], "capacity": plan}
-        print(
-            name,
-            json.dumps(
-                {
-                    "knee": sweep["knee"] and sweep["knee"]["offered_rate"],
-                    "machines": plan and plan["machines"],
-                }
-            ),
-            flush=True,
-        )
     tune_cfg = TuneConfig(
         slo_p99_ms=args.slo_p99_ms,
         max_batch_sizes=[1, 8, 32],
@@ -128,9 +145,10 @@ def main() -> None:
         {k: c[k] for k in ("variant", "serve", "stage", "knee_rate", "note")}
         for c in tune["configs"]
     ]
-    write_json(args.out, doc)
-    print(json.dumps(doc["tune"], indent=1))
+    cmd = "nice -n 10 " + reproduce_command("loadtest_models.py", argv)
+    publish(_markdown(doc, cmd), doc, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
