@@ -124,6 +124,7 @@ def _figures(m: dict[str, Any], wall: float) -> dict[str, Any]:
         "wall_s": wall,
         "run_dir": m["_run_dir"],
         "created": m.get("created", "-"),
+        "recipe": m["recipe"]["name"],
         "hardware": m["hardware"],
     }
 
@@ -216,7 +217,7 @@ def _row(name: str, c: dict[str, Any] | None, metric_name: str) -> str:
 def _section(example: str, f: dict[str, Any], cmd: str) -> str:
     hw = f["hardware"]
     lines = [
-        f"## {example}: prune -> graph -> INT8 (`{example}-prune`)",
+        f"## {example}: prune -> graph -> INT8 (`{f['recipe']}`)",
         "",
         f"{hw.get('cpu')} x{hw.get('cores')}, manifest written {f['created']}; "
         f"run directory `{f['run_dir']}`; recipe wall time {f['wall_s']:.0f} s ({f['cache']}"

@@ -43,6 +43,7 @@ from slimline.recipe import Recipe
 from slimline.task import Inputs, Task, load_task
 
 THREADS = 2
+CALIBRATED = ("quantize_static defaults", "slimline auto")  # variants with a calibration pass
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -277,6 +278,13 @@ def _conditions(before: float | None, after: float | None, wall: float) -> str:
     )
 
 
+def _calibration(row: dict[str, Any], key: str, fmt: str) -> str:
+    """A calibration figure; "-" for a variant that does not calibrate (FP32, dynamic)."""
+    if row["variant"] not in CALIBRATED:
+        return "-"
+    return figure(row.get(key), fmt)
+
+
 def _model_section(r: dict[str, Any]) -> list[str]:
     base = r["rows"][0]["latency"]["p50"]
     check = r["export_check"]
@@ -294,7 +302,8 @@ def _model_section(r: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {row['variant']} | {lat['p50']:.2f} | {lat['band'][0]:.2f}-{lat['band'][1]:.2f} | "
             f"{lat['p50'] / base:.3f}x | {row['kernels']} | {q.cosine_mean:.4f} | {q.cosine_min:.4f} | "
-            f"{q.metric:.4f} | {figure(row.get('calibration_s'), '.1f')} | {figure(row.get('peak_rss_mb'), '.0f')} |"
+            f"{q.metric:.4f} | {_calibration(row, 'calibration_s', '.1f')} | "
+            f"{_calibration(row, 'peak_rss_mb', '.0f')} |"
         )
     auto = r["rows"][-1]
     lines += [
