@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench_out import NOT_MEASURED, figure, publish, reproduce_command, reproduce_footer
+from bench_out import figure, publish, reproduce_command, reproduce_footer
 from slimline.loadtest.capacity import plan_capacity
 from slimline.loadtest.payload import build_payloads, load_samples
 from slimline.loadtest.result import write_json
@@ -76,18 +76,17 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         "|---|---:|---:|",
     ]
     for name, v in doc["variants"].items():
-        knee = v["knee"]["offered_rate"] if v["knee"] else None
+        if not v["knee"]:  # the sweep ran and found none: say why, as it measured
+            lines.append(f"| {name} | none: {v['stopped_because']} | - |")
+            continue
         machines = v["capacity"]["machines"] if v["capacity"] else None
-        lines.append(
-            f"| {name} | {figure(knee, '.0f')} | "
-            f"{figure(machines, 'd') if knee is not None else NOT_MEASURED + ' (no knee)'} |"
-        )
+        lines.append(f"| {name} | {v['knee']['offered_rate']:.0f} | {figure(machines, 'd')} |")
     tune = doc["tune"]
-    gain = tune.get("gain_vs_default")
+    best = tune.get("best")
     lines += [
         "",
-        f"tune-serving: best {tune.get('best') or NOT_MEASURED}; knee vs the default settings "
-        f"{figure(gain, '.2f', 'x')}.",
+        f"tune-serving: best {best['serve'] if best else 'none'} "
+        f"({tune.get('note') or 'knee vs the default settings ' + figure(tune.get('gain_vs_default'), '.2f', 'x')}).",
     ]
     return "\n".join([*lines, *reproduce_footer(cmd)])
 
@@ -126,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             if sweep["knee"]
             else None
         )
-        doc["variants"][name] = {"knee": sweep["knee"], "capacity": plan}
+        doc["variants"][name] = {
+            "knee": sweep["knee"],
+            "capacity": plan,
+            "stopped_because": sweep.get("stopped_because"),
+        }
     tune_cfg = TuneConfig(
         slo_p99_ms=args.slo_p99_ms,
         max_batch_sizes=[1, 8, 32],
@@ -140,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune = tune_serving(args.run_dir, tune_cfg, start_server=niced_server)
     write_json(args.out.with_name(f"{args.out.stem}-tune.json"), tune)
-    doc["tune"] = {k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command")}
+    doc["tune"] = {
+        k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command", "note")
+    }
     doc["tune"]["configs"] = [
         {k: c[k] for k in ("variant", "serve", "stage", "knee_rate", "note")}
         for c in tune["configs"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench_out import publish, reproduce_command, reproduce_footer
+from bench_out import figure, publish, reproduce_command, reproduce_footer
 from slimline import api
 from slimline.candidate import Candidate
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
@@ -103,6 +103,7 @@ def frontier(
                 "pruned_cosine": pruned["fidelity"]["cosine_mean"],
                 "int8_cosine": quality.fidelity_dict()["cosine_mean"],
                 "int8_metric": quality.metric,
+                "int8_kernels": q.meta["fallback_report"],
             }
         )
         cands.append(cand)
@@ -122,7 +123,7 @@ def frontier(
         "task": first["task"]["source"],
         "metric_name": first["task"]["metric_name"],
         "fp32_metric": ctx.reference.metric,
-        "spec": spec.label,
+        "spec": f"{spec.label}, no layer kept float",
         "threads": threads,
         "rounds": rounds,
         "runs": runs,
@@ -140,16 +141,18 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"interleaved rounds x {doc['runs']} runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
         "",
         f"| run | MACs removed | pruned cosine (step) | pruned + INT8 cosine | {metric} (FP32 "
-        f"{doc['fp32_metric']:.4f}) | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
-        "|---|---|---|---|---|---|",
+        f"{doc['fp32_metric']:.4f}) | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio "
+        "(repeats) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in doc["points"]:
-        macs = f"{p['macs_removed']:.1%}" if p["macs_removed"] is not None else "-"
+        macs = figure(p["macs_removed"], ".1%")
         state = "kept" if p["pruned_accepted"] else "rejected"
         reps = ", ".join(f"{r:.3f}" for r in p["int8_ratio_per_repeat"])
         lines.append(
             f"| `{Path(p['run_dir']).name}` | {macs} | {p['pruned_cosine']:.4f} ({state}) | "
-            f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | **{p['int8_ratio']:.3f}x** ({reps}) |"
+            f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | {p['int8_kernels']} | "
+            f"**{p['int8_ratio']:.3f}x** ({reps}) |"
         )
     lines += ["", *[f"- warning: {w}" for w in doc["warnings"]]]
     lines += reproduce_footer(cmd)

@@ -8,7 +8,7 @@ prune step (``pruned.pt`` and ``prune_history.json`` in the step-cache entry,
 fine-tuning settings (learning rate ``--lr``, a fresh cosine schedule, early stopping off), and
 reports the task metric and the mean cosine to the FP32 model's outputs before and after, and
 after INT8: exported with the export step (verified against PyTorch, the recipe's export
-settings) and quantized with the quantize step (dynamic S8 per-channel, every layer INT8: the
+settings) and quantized with the quantize step (dynamic S8 per-channel, no layer kept float: the
 setting the minilm-prune runs chose), all measured as the pipeline measures (``slimline.api``).
 
     .venv/bin/python bench/prune_more_recovery.py STEP_CACHE_ENTRY --fp32-run RUN_DIR \\
@@ -39,7 +39,7 @@ from slimline.compress.pruning.step import (
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.task import load_task
 
-# dynamic S8 per-channel, every layer INT8 (the setting the minilm-prune runs chose)
+# dynamic S8 per-channel, no layer kept float (the setting the minilm-prune runs chose)
 EVERY_LAYER_DYNAMIC = QuantizeConfig(
     mode="dynamic", per_channel=True, keep_first_last_float=False, mixed_precision=False
 )
@@ -106,7 +106,10 @@ def more_recovery(
         "before": before,
         "after": after,
         "export": {"opset": exported.meta["opset"], **exported.meta["export_check"]},
-        "int8": {**int8, "spec": str(q.meta["label"]) + ", every layer INT8"},
+        "int8": {
+            **int8,
+            "spec": f"{q.meta['label']}, no layer kept float: {q.meta['fallback_report']}",
+        },
         "warnings": ctx.warnings,
         "val_loss": history,
     }

@@ -4,7 +4,8 @@ Latency does not depend on the weights, only on the layer shapes. This script ta
 (per-group ratios, as a run's manifest records them under ``plan`` and as a recipe's ``prune.plan``
 takes them), prunes the task's model to each plan by L2 magnitude with no recovery, exports it
 with the export step (every output verified against PyTorch), quantizes it with the quantize step
-(dynamic S8 per-channel, every layer INT8, the setting the minilm-prune runs chose)
+(dynamic S8 per-channel, no layer kept float, the setting the minilm-prune runs chose; the
+table gives how many ops the runtime runs in INT8)
 and times every plan interleaved against FP32 ONNX Runtime at batch 1: median per-round ratio per
 repeat. It also reports each plan's MACs removed and the loss the run's sensitivity map predicts
 for it (``--sweep``), so latency, MACs and predicted loss can be compared per plan.
@@ -39,7 +40,7 @@ from slimline.measure.latency import benchmark, paired_speedup
 from slimline.recipe import BenchConfig, recipe_from_dict
 from slimline.task import load_task
 
-# dynamic S8 per-channel, every layer INT8 (the setting the minilm-prune runs chose)
+# dynamic S8 per-channel, no layer kept float (the setting the minilm-prune runs chose)
 EVERY_LAYER_DYNAMIC: dict[str, Any] = {
     "mode": "dynamic",
     "per_channel": True,
@@ -121,6 +122,7 @@ def plan_latency(
                 "predicted_loss": _predicted(plan.keep, table),
                 "export_check": exported.meta["export_check"]["cosine_min"],
                 "int8_label": int8.meta["label"],
+                "int8_kernels": int8.meta["fallback_report"],
             }
         )
     bench = BenchConfig(rounds=rounds, runs_per_round=40, warmup=10)
@@ -135,7 +137,7 @@ def plan_latency(
     for row in rows:
         row["ratio_per_repeat"] = [rep[row["name"]] for rep in reps]
         row["ratio"] = float(np.median(row["ratio_per_repeat"]))
-    return {"task": task_name, "spec": f"{rows[0]['int8_label']}, every layer INT8" if rows else "-",
+    return {"task": task_name, "spec": f"{rows[0]['int8_label']}, no layer kept float" if rows else "-",
             "threads": threads, "rounds": rounds, "repeats": repeats,
             "opset": ctx.baseline.meta["opset"], "plans": rows, "warnings": ctx.warnings}  # fmt: skip
 
@@ -147,14 +149,15 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"{doc['threads']} threads, {doc['repeats']} repeats x {doc['rounds']} interleaved "
         f"rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
         "",
-        "| plan | MACs removed | predicted loss | export check: min cosine | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
-        "|---|---|---|---|---|",
+        "| plan | MACs removed | predicted loss | export check: min cosine | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in doc["plans"]:
         loss = "-" if row["predicted_loss"] is None else f"{row['predicted_loss']:.3f}"
         reps = ", ".join(f"{r:.3f}" for r in row["ratio_per_repeat"])
         lines.append(
             f"| {row['name']} | {row['macs_removed']:.1%} | {loss} | {row['export_check']:.6f} | "
+            f"{row['int8_kernels']} | "
             f"**{row['ratio']:.3f}x** ({reps}) |"
         )
     lines += ["", "Kept units per plan (groups not listed are whole):", ""]
