@@ -100,7 +100,8 @@ def test_a_context_without_a_benchmark(
     ctx = api.context_for(
         tiny, _recipe(tiny_recipe), tmp_path, baseline=torch_fp32, timed=False, cache=cache
     )
-    assert ctx.baseline is torch_fp32 and ctx.compare_fn is None
+    assert ctx.baseline.module is module and ctx.compare_fn is None
+    assert ctx.baseline.accepted and not torch_fp32.accepted  # the caller's candidate untouched
     with pytest.raises(AssertionError, match="without compare_fn"):
         ctx.compare([torch_fp32])
     exported = api.export(ctx, module)

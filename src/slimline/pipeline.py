@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ def start_run(
         return run
     run.hashes["calibration_data"] = data_hash(task.calibration_data())
     run.hashes["eval_data"] = data_hash(task.eval_data())
-    baseline.accepted, baseline.reason = True, "baseline"
+    baseline = replace(baseline, accepted=True, reason="baseline")  # the caller's stays as it is
     run.chain.append(baseline)
     fp32 = baseline
     if baseline.module is None and task.model is not None:
