@@ -16,7 +16,7 @@ that invalidates a run. A second table compares the client cost of the lean
 HTTP client with aiohttp's (sequential round trips against the same server, median of medians).
 
     nice -n 10 .venv/bin/python bench/loadtest_accuracy.py --rates 50,100,200,500,1000,2000 \
-        --repeats 3 --out bench/out/loadtest/accuracy.json
+        --repeats 3 --out bench/out/loadtest/accuracy.md
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.loadtest.client import HttpClient
 from slimline.loadtest.payload import build_payloads
-from slimline.loadtest.result import write_json
 from slimline.loadtest.run import LoadTestConfig, run_loadtest
 from slimline.loadtest.stubserver import stub_server
 
@@ -131,14 +131,19 @@ def client_costs(url: str, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="50,100,200,500,1000,2000")
     ap.add_argument("--delay-ms", type=float, default=10.0)
     ap.add_argument("--duration", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("bench/out/loadtest/accuracy.json"))
-    args = ap.parse_args()
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/out/loadtest/accuracy.md"),
+        help="markdown (and .json beside it)",
+    )
+    args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
     with stub_server("--delay-ms", str(args.delay_ms)) as url:
         costs = client_costs(url, 5)
@@ -160,8 +165,10 @@ def main() -> None:
         "highest_sustained_rate": max(sustained) if sustained else None,
         "client_round_trip_ms": costs,
     }
-    write_json(args.out, doc)
-    print(table(doc))
+    cmd = "nice -n 10 " + reproduce_command("loadtest_accuracy.py", argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    publish("\n".join([table(doc), *reproduce_footer(cmd)]), doc, args.out)
+    return 0
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -178,7 +185,7 @@ def table(doc: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         "highest rate one process sustains (achieved within 2%, p50 within 1 ms, lag p99 < 10 ms): "
-        f"{doc['highest_sustained_rate']}"
+        f"{doc['highest_sustained_rate'] or 'none of the offered rates'}"
     )
     lines.append(
         f"sequential round trip, {doc['delay_ms']:g} ms server: lean client {c['lean']:.3f} ms, "
@@ -188,4 +195,4 @@ def table(doc: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

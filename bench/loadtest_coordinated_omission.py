@@ -8,20 +8,20 @@ sample among hundreds, p99 unchanged, only max betrays the stall. The same run w
 gives the baseline.
 
     nice -n 10 .venv/bin/python bench/loadtest_coordinated_omission.py \
-        --out bench/out/loadtest/coordinated_omission.json
+        --out bench/out/loadtest/coordinated_omission.md
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.loadtest.payload import build_payloads
-from slimline.loadtest.result import write_json
 from slimline.loadtest.run import LoadTestConfig, run_loadtest
 from slimline.loadtest.stubserver import stub_server
 
@@ -56,31 +56,43 @@ def measure(mode: str, stall: bool, duration: float) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def _markdown(rows: list[dict[str, Any]], duration: float, cmd: str) -> str:
+    lines = [
+        f"Coordinated omission: one 1 s stall, {duration:g} s per run, open vs closed loop.",
+        "",
+        "| loop | stall | requests | achieved rps | p50 ms | p95 ms | p99 ms | p99.9 ms | max ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[k]:.1f}" for k in KEYS)
+        lines.append(
+            f"| {r['mode']} | {'1 s once' if r['stall'] else 'none'} | {r['requests']} | "
+            f"{r['achieved_rate']:.1f} | {cells} |"
+        )
+    return "\n".join([*lines, *reproduce_footer(cmd)])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument(
-        "--out", type=Path, default=Path("bench/out/loadtest/coordinated_omission.json")
+        "--out",
+        type=Path,
+        default=Path("bench/out/loadtest/coordinated_omission.md"),
+        help="markdown (and .json beside it)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = [
         measure(mode, stall, args.duration)
         for mode in ("open", "closed")
         for stall in (False, True)
     ]
-    write_json(args.out, {"duration_s": args.duration, "rows": rows})
-    print(
-        "| loop | stall | requests | achieved rps | p50 ms | p95 ms | p99 ms | p99.9 ms | max ms |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        cells = " | ".join(f"{r[k]:.1f}" for k in KEYS)
-        print(
-            f"| {r['mode']} | {'1 s once' if r['stall'] else 'none'} | {r['requests']} | "
-            f"{r['achieved_rate']:.1f} | {cells} |"
-        )
-    print(json.dumps(rows))
+    cmd = "nice -n 10 " + reproduce_command("loadtest_coordinated_omission.py", argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"duration_s": args.duration, "rows": rows}
+    publish(_markdown(rows, args.duration, cmd), doc, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

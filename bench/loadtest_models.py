@@ -9,7 +9,7 @@ against a real ``slimline serve`` child process on this machine:
 3. ``slimline tune-serving`` on the run (a bounded grid), against the default settings.
 
     .venv/bin/python bench/loadtest_models.py /tmp/runs/mnist --slo-p99-ms 50 \
-        --out bench/out/loadtest/mnist.json
+        --out bench/out/loadtest/mnist.md
 
 The generator and the server share this machine's cores, so the knees are what one such machine
 serves while also generating its own load: a lower bound for a dedicated server. Each server runs
@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench_out import figure, publish, reproduce_command, reproduce_footer
 from slimline.loadtest.capacity import plan_capacity
 from slimline.loadtest.payload import build_payloads, load_samples
 from slimline.loadtest.result import write_json
@@ -65,7 +67,31 @@ def sweep_variant(path: Path, payloads: list[Any], args: argparse.Namespace) -> 
         )
 
 
-def main() -> None:
+def _markdown(doc: dict[str, Any], cmd: str) -> str:
+    lines = [
+        f"`{doc['task']}` served by slimline (run `{doc['run_dir']}`, selected "
+        f"`{doc['selected']}`), SLO p99 {doc['slo_p99_ms']:g} ms.",
+        "",
+        "| variant | knee (offered rps at the SLO) | machines for the peak |",
+        "|---|---:|---:|",
+    ]
+    for name, v in doc["variants"].items():
+        if not v["knee"]:  # the sweep ran and found none: say why, as it measured
+            lines.append(f"| {name} | none: {v['stopped_because']} | - |")
+            continue
+        machines = v["capacity"]["machines"] if v["capacity"] else None
+        lines.append(f"| {name} | {v['knee']['offered_rate']:.0f} | {figure(machines, 'd')} |")
+    tune = doc["tune"]
+    best = tune.get("best")
+    lines += [
+        "",
+        f"tune-serving: best {best['serve'] if best else 'none'} "
+        f"({tune.get('note') or 'knee vs the default settings ' + figure(tune.get('gain_vs_default'), '.2f', 'x')}).",
+    ]
+    return "\n".join([*lines, *reproduce_footer(cmd)])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--slo-p99-ms", type=float, default=50.0)
@@ -78,8 +104,8 @@ def main() -> None:
     ap.add_argument(
         "--min-requests", type=int, default=200, help="requests per sweep step, at least"
     )
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, required=True, help="markdown (and .json beside it)")
+    args = ap.parse_args(argv)
     manifest = json.loads((args.run_dir / "manifest.json").read_text())
     variants = run_variants(args.run_dir, None)
     picks = [v for v in dict.fromkeys(["fp32-onnx", manifest["selected"]]) if v in variants]
@@ -99,17 +125,11 @@ def main() -> None:
             if sweep["knee"]
             else None
         )
-        doc["variants"][name] = {"knee": sweep["knee"], "capacity": plan}
-        print(
-            name,
-            json.dumps(
-                {
-                    "knee": sweep["knee"] and sweep["knee"]["offered_rate"],
-                    "machines": plan and plan["machines"],
-                }
-            ),
-            flush=True,
-        )
+        doc["variants"][name] = {
+            "knee": sweep["knee"],
+            "capacity": plan,
+            "stopped_because": sweep.get("stopped_because"),
+        }
     tune_cfg = TuneConfig(
         slo_p99_ms=args.slo_p99_ms,
         max_batch_sizes=[1, 8, 32],
@@ -123,14 +143,17 @@ def main() -> None:
     )
     tune = tune_serving(args.run_dir, tune_cfg, start_server=niced_server)
     write_json(args.out.with_name(f"{args.out.stem}-tune.json"), tune)
-    doc["tune"] = {k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command")}
+    doc["tune"] = {
+        k: tune.get(k) for k in ("best", "default", "gain_vs_default", "serve_command", "note")
+    }
     doc["tune"]["configs"] = [
         {k: c[k] for k in ("variant", "serve", "stage", "knee_rate", "note")}
         for c in tune["configs"]
     ]
-    write_json(args.out, doc)
-    print(json.dumps(doc["tune"], indent=1))
+    cmd = "nice -n 10 " + reproduce_command("loadtest_models.py", argv)
+    publish(_markdown(doc, cmd), doc, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

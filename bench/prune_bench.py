@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import statistics
 import sys
@@ -24,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_out import NOT_MEASURED, figure, publish, reproduce_command, reproduce_footer
 
 TARGETS: dict[str, dict[str, float]] = {
     # ratios are against FP32 ONNX Runtime, batch 1, interleaved in one run
@@ -123,61 +124,72 @@ def _figures(m: dict[str, Any], wall: float) -> dict[str, Any]:
         "wall_s": wall,
         "run_dir": m["_run_dir"],
         "created": m.get("created", "-"),
+        "recipe": m["recipe"]["name"],
         "hardware": m["hardware"],
     }
 
 
-def _checks(example: str, f: dict[str, Any]) -> list[tuple[str, bool]]:
+def _checks(example: str, f: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    """Each target with whether the run met it; ``None`` where the run did not measure the
+    figure the target is about (no pruned candidate, or INT8 built on FP32, not on it)."""
     t, p, q = TARGETS[example], f["prune"], f["int8"]
-    out: list[tuple[str, bool]] = []
+    out: list[tuple[str, bool | None]] = []
     if "macs_removed_min" in t:
+        macs = f["macs_removed"]
         out.append(
             (
                 f"MACs removed >= {t['macs_removed_min']:.0%}",
-                (f["macs_removed"] or 0) >= t["macs_removed_min"],
+                None if macs is None else macs >= t["macs_removed_min"],
             )
         )
-    if "prune_drop_max" in t and p:
-        out.append(
-            (f"pruned drop <= {t['prune_drop_max'] * 100:.1f} pt", p["drop"] <= t["prune_drop_max"])
-        )
-    if q:
-        # the pruned+INT8 targets are about INT8 on the pruned model: when pruning was rejected
-        # the INT8 candidate is built on FP32, and its figures answer a different question
-        on_pruned = "prune" in q["ancestors"]
-        out.append(("INT8 built on the pruned model", on_pruned))
+    if "prune_drop_max" in t:
         out.append(
             (
-                f"pruned+INT8 latency <= {t['int8_ratio_max']:.2f}x (median per-round ratio)",
-                on_pruned and _headline_ratio(q) <= t["int8_ratio_max"],
+                f"pruned drop <= {t['prune_drop_max'] * 100:.1f} pt",
+                None if p is None else p["drop"] <= t["prune_drop_max"],
             )
         )
-        if t.get("metric_within"):  # "within 0.02 of FP32": a rise counts as much as a drop
-            out.append(
-                (
-                    f"pruned+INT8 {f['metric_name']} within {t['int8_drop_max']:.2f} of FP32",
-                    on_pruned and abs(q["drop"]) <= t["int8_drop_max"],
-                )
+    # the pruned+INT8 targets are about INT8 on the pruned model: when pruning was rejected
+    # the INT8 candidate is built on FP32, and its figures answer a different question
+    on_pruned = q is not None and "prune" in q["ancestors"]
+    out.append(("INT8 built on the pruned model", None if q is None else on_pruned))
+    int8 = q if on_pruned else None
+    out.append(
+        (
+            f"pruned+INT8 latency <= {t['int8_ratio_max']:.2f}x (median per-round ratio)",
+            None if int8 is None else _headline_ratio(int8) <= t["int8_ratio_max"],
+        )
+    )
+    if t.get("metric_within"):  # "within 0.02 of FP32": a rise counts as much as a drop
+        out.append(
+            (
+                f"pruned+INT8 {f['metric_name']} within {t['int8_drop_max']:.2f} of FP32",
+                None if int8 is None else abs(int8["drop"]) <= t["int8_drop_max"],
             )
-        else:
-            out.append(
-                (
-                    f"pruned+INT8 drop <= {t['int8_drop_max']:.2f}",
-                    on_pruned and q["drop"] <= t["int8_drop_max"],
-                )
+        )
+    else:
+        out.append(
+            (
+                f"pruned+INT8 drop <= {t['int8_drop_max']:.2f}",
+                None if int8 is None else int8["drop"] <= t["int8_drop_max"],
             )
-        if "cosine_min" in t:
-            out.append(
-                (
-                    f"pruned+INT8 cosine >= {t['cosine_min']}",
-                    on_pruned and q["cosine"] >= t["cosine_min"],
-                )
+        )
+    if "cosine_min" in t:
+        out.append(
+            (
+                f"pruned+INT8 cosine >= {t['cosine_min']}",
+                None if int8 is None else int8["cosine"] >= t["cosine_min"],
             )
+        )
     if "wall_s_max" in t:
         out.append(
             (f"recipe wall time < {t['wall_s_max'] / 60:.0f} min", f["wall_s"] < t["wall_s_max"])
         )
     return out
+
+
+def _met(ok: bool | None) -> str:
+    return NOT_MEASURED if ok is None else "yes" if ok else "**no**"
 
 
 def _headline_ratio(c: dict[str, Any]) -> float:
@@ -192,7 +204,7 @@ def _lineage(step: str, c: dict[str, Any] | None) -> str:
 
 def _row(name: str, c: dict[str, Any] | None, metric_name: str) -> str:
     if c is None:
-        return f"| {name} | - | - | - | - | - | - |"
+        return f"| {name} | {NOT_MEASURED} (no such candidate in the run) | - | - | - | - | - |"
     state = "kept" if c["accepted"] else "rejected"
     rr = c["round_ratios"]
     rounds = f"{_headline_ratio(c):.2f}x ({min(rr):.2f}-{max(rr):.2f})" if rr else "-"
@@ -205,13 +217,14 @@ def _row(name: str, c: dict[str, Any] | None, metric_name: str) -> str:
 def _section(example: str, f: dict[str, Any], cmd: str) -> str:
     hw = f["hardware"]
     lines = [
-        f"## {example}: prune -> graph -> INT8 (`{example}-prune`)",
+        f"## {example}: prune -> graph -> INT8 (`{f['recipe']}`)",
         "",
         f"{hw.get('cpu')} x{hw.get('cores')}, manifest written {f['created']}; "
         f"run directory `{f['run_dir']}`; recipe wall time {f['wall_s']:.0f} s ({f['cache']}"
         f"{'; sensitivity map reused from an earlier run' if f['sweep_reused'] else ''}).",
         "",
-        f"MACs removed {f['macs_removed']:.1%}, parameters removed {f['params_removed']:.1%}.",
+        f"MACs removed {figure(f['macs_removed'], '.1%')}, parameters removed "
+        f"{figure(f['params_removed'], '.1%')}.",
         "",
         f"| candidate | p50 ms (batch 1) | p50 / FP32 p50 | per-round ratio: median (range) | {f['metric_name']} "
         "| drop | cosine |",
@@ -224,7 +237,7 @@ def _section(example: str, f: dict[str, Any], cmd: str) -> str:
         "",
         "| target | met |",
         "|---|---|",
-        *[f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in _checks(example, f)],
+        *[f"| {name} | {_met(ok)} |" for name, ok in _checks(example, f)],
         "",
     ]
     for step in ("prune", "graph", "int8"):
@@ -232,7 +245,6 @@ def _section(example: str, f: dict[str, Any], cmd: str) -> str:
         if c:
             lines += [f"- {step}: {'kept' if c['accepted'] else 'rejected'}: {c['reason']}"]
     lines += [""]
-    lines += ["Reproduce:", "", "```", cmd, "```", ""]
     return "\n".join(lines)
 
 
@@ -268,15 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )  # step times
-    cmd = "nice -n 10 .venv/bin/python bench/prune_bench.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    cmd = "nice -n 10 " + reproduce_command("prune_bench.py", argv)
     parts = [
         "# Structured pruning benchmark",
         "",
         f"python {platform.python_version()}; every figure from one recipe run per example.",
         "",
     ]
+    doc: dict[str, Any] = {"command": cmd, "examples": {}}
     if args.from_run and len(args.from_run) != len(args.examples):
         parser.error("--from-run takes one run directory per example")
     for i, example in enumerate(args.examples):
@@ -295,18 +306,12 @@ def main(argv: list[str] | None = None) -> int:
             else "cold step cache"
         )
         parts.append(_section(example, figures, cmd))
-        print(
-            json.dumps(
-                {example: {k: v for k, v in figures.items() if k != "hardware"}},
-                indent=1,
-                default=str,
-            )
-        )
+        doc["examples"][example] = {
+            **figures,
+            "targets": {name: ok for name, ok in _checks(example, figures)},
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text("\n".join(parts))
-    os.replace(tmp, args.out)
-    print(f"wrote {args.out}")
+    publish("\n".join([*parts, *reproduce_footer(cmd)]), doc, args.out)
     return 0
 
 

@@ -2,8 +2,9 @@
 
 A prune run keeps its pruned model only within the accuracy budget; when it is rejected, INT8 is
 built on FP32 and the run says nothing about the pruned + INT8 point it was aiming at. This script
-takes the ``prune`` artifact of each run (kept or rejected), quantizes it with the INT8 setting
-the first run's quantize step chose (``--spec`` overrides), and reports per run: MACs removed,
+takes the ``prune`` artifact of each run (kept or rejected), quantizes it with the quantize step
+(``slimline.api``) applying to every layer the INT8 setting the first run's quantize step chose
+(``--spec`` overrides), and reports per run: MACs removed,
 cosine and metric of pruned + INT8 on the task's evaluation set, and its batch-1 latency against
 FP32 ONNX Runtime as the median of per-round ratios, all candidates interleaved in one benchmark.
 
@@ -23,15 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from bench_out import publish, reproduce_command, reproduce_footer
+from bench_out import figure, publish, reproduce_command, reproduce_footer
+from slimline import api
 from slimline.candidate import Candidate
-from slimline.compress.quant.config import QuantSpec
-from slimline.compress.quant.engine import quantize_model
-from slimline.compress.quant.prepare import prepare
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.measure.latency import benchmark, paired_speedup
-from slimline.measure.quality import evaluate, make_reference
-from slimline.measure.runners import make_runner
-from slimline.recipe import BenchConfig
+from slimline.recipe import BenchConfig, recipe_from_dict
 from slimline.task import load_task
 
 
@@ -56,12 +54,26 @@ def _chosen_spec(manifest: dict[str, Any]) -> QuantSpec:
     return QuantSpec(**config) if config else QuantSpec(mode="dynamic")
 
 
+def _every_layer(spec: QuantSpec, samples: int) -> QuantizeConfig:
+    """The quantize step applying ``spec`` to every layer (no float layers, no mixed precision)."""
+    return QuantizeConfig(
+        **spec.to_dict(), samples=samples, keep_first_last_float=False, mixed_precision=False
+    )
+
+
 def frontier(
-    run_dirs: list[Path], spec: QuantSpec | None, rounds: int, runs: int, repeats: int, work: Path
+    run_dirs: list[Path],
+    spec: QuantSpec | None,
+    rounds: int,
+    runs: int,
+    repeats: int,
+    work: Path,
+    samples: int = 512,
 ) -> dict[str, Any]:
     first = _manifest(run_dirs[0])
     task = load_task(first["task"]["source"])
-    threads = int(first["target"]["threads"])
+    recipe = recipe_from_dict(first["recipe"])  # the first run's own target, budget and bench
+    threads = recipe.target.threads
     spec = spec or _chosen_spec(first)
     sample = task.sample_inputs(1)
     base = Candidate(
@@ -70,16 +82,17 @@ def frontier(
         parent=None,
         onnx=run_dirs[0] / _by_name(first, "fp32-onnx", run_dirs[0])["artifact"],
     )
-    reference = make_reference(make_runner(base, threads), task, None)
+    ctx = api.context_for(task, recipe, work, baseline=base, timed=False)
+    quant = _every_layer(spec, samples)
     points: list[dict[str, Any]] = []
     cands = [base]
     for i, run_dir in enumerate(run_dirs):
         m = _manifest(run_dir)
         pruned = _by_name(m, "prune", run_dir)
-        prepared = prepare(run_dir / pruned["artifact"], work / f"run{i}", sample, threads=threads)
-        q = quantize_model(prepared.path, work / f"run{i}-int8.onnx", spec, [])
-        cand = Candidate(name=f"run{i}", step="quantize", parent="prune", onnx=q)
-        quality = evaluate(make_runner(cand, threads), task, reference, None)
+        source = Candidate("prune", "prune", None, onnx=run_dir / pruned["artifact"])
+        q = api.quantize(ctx, source, quant, workdir=work / f"run{i}")
+        cand = Candidate(name=f"run{i}", step="quantize", parent="prune", onnx=q.onnx)
+        quality = api.evaluate(ctx, cand)
         macs = (pruned.get("meta") or {}).get("macs") or {}
         points.append(
             {
@@ -90,6 +103,7 @@ def frontier(
                 "pruned_cosine": pruned["fidelity"]["cosine_mean"],
                 "int8_cosine": quality.fidelity_dict()["cosine_mean"],
                 "int8_metric": quality.metric,
+                "int8_kernels": q.meta["fallback_report"],
             }
         )
         cands.append(cand)
@@ -108,13 +122,14 @@ def frontier(
     return {
         "task": first["task"]["source"],
         "metric_name": first["task"]["metric_name"],
-        "fp32_metric": first["reference_metric"],
-        "spec": spec.label,
+        "fp32_metric": ctx.reference.metric,
+        "spec": f"{spec.label}, no layer kept float",
         "threads": threads,
         "rounds": rounds,
         "runs": runs,
         "repeats": repeats,
         "points": points,
+        "warnings": ctx.warnings,
     }
 
 
@@ -126,17 +141,20 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"interleaved rounds x {doc['runs']} runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
         "",
         f"| run | MACs removed | pruned cosine (step) | pruned + INT8 cosine | {metric} (FP32 "
-        f"{doc['fp32_metric']:.4f}) | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
-        "|---|---|---|---|---|---|",
+        f"{doc['fp32_metric']:.4f}) | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio "
+        "(repeats) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in doc["points"]:
-        macs = f"{p['macs_removed']:.1%}" if p["macs_removed"] is not None else "-"
+        macs = figure(p["macs_removed"], ".1%")
         state = "kept" if p["pruned_accepted"] else "rejected"
         reps = ", ".join(f"{r:.3f}" for r in p["int8_ratio_per_repeat"])
         lines.append(
             f"| `{Path(p['run_dir']).name}` | {macs} | {p['pruned_cosine']:.4f} ({state}) | "
-            f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | **{p['int8_ratio']:.3f}x** ({reps}) |"
+            f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | {p['int8_kernels']} | "
+            f"**{p['int8_ratio']:.3f}x** ({reps}) |"
         )
+    lines += ["", *[f"- warning: {w}" for w in doc["warnings"]]]
     lines += reproduce_footer(cmd)
     return "\n".join(lines)
 
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--runs", type=int, default=40, help="runs per candidate per round")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=512, help="calibration samples")
     parser.add_argument(
         "--spec",
         type=json.loads,
@@ -158,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = QuantSpec(**args.spec) if args.spec else None
     with tempfile.TemporaryDirectory() as tmp:
-        doc = frontier(args.run_dirs, spec, args.rounds, args.runs, args.repeats, Path(tmp))
+        doc = frontier(
+            args.run_dirs, spec, args.rounds, args.runs, args.repeats, Path(tmp), args.samples
+        )
     cmd = reproduce_command("prune_frontier.py", argv)
     publish(_markdown(doc, cmd), doc, args.out)
     return 0

@@ -6,8 +6,10 @@ from where the run stopped instead of from scratch. It rebuilds the pruned model
 prune step (``pruned.pt`` and ``prune_history.json`` in the step-cache entry,
 ``torch.load(weights_only=True)``), distils it ``--steps`` more steps with the recipe's own
 fine-tuning settings (learning rate ``--lr``, a fresh cosine schedule, early stopping off), and
-reports the task metric and the mean cosine to FP32 ONNX Runtime's outputs before and after, and
-after INT8 (dynamic S8 per-channel, every layer INT8: the setting the minilm-prune runs chose).
+reports the task metric and the mean cosine to the FP32 model's outputs before and after, and
+after INT8: exported with the export step (verified against PyTorch, the recipe's export
+settings) and quantized with the quantize step (dynamic S8 per-channel, no layer kept float: the
+setting the minilm-prune runs chose), all measured as the pipeline measures (``slimline.api``).
 
     .venv/bin/python bench/prune_more_recovery.py STEP_CACHE_ENTRY --fp32-run RUN_DIR \\
         --recipe minilm-prune --steps 1000 --lr 5e-5 --out bench/out/prune-more-recovery.md
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_out import publish, reproduce_command, reproduce_footer
+from slimline import StepContext, api
 from slimline.candidate import Candidate
 from slimline.commands import resolve_recipe
 from slimline.compress.finetune import distill, resolve_data
@@ -33,22 +36,29 @@ from slimline.compress.pruning.step import (
     PruneConfig,
     restore_pruned,
 )
-from slimline.compress.quant.config import QuantSpec
-from slimline.compress.quant.engine import quantize_model
-from slimline.compress.quant.prepare import prepare
-from slimline.export import export_module
-from slimline.measure.quality import Reference, evaluate, make_reference
-from slimline.measure.runners import make_runner
-from slimline.task import Task, load_task
+from slimline.compress.quant.config import QuantizeConfig
+from slimline.task import load_task
+
+# dynamic S8 per-channel, no layer kept float (the setting the minilm-prune runs chose)
+EVERY_LAYER_DYNAMIC = QuantizeConfig(
+    mode="dynamic", per_channel=True, keep_first_last_float=False, mixed_precision=False
+)
 
 
-def _quality(cand: Candidate, task: Task, ref: Reference, threads: int) -> dict[str, float]:
-    q = evaluate(make_runner(cand, threads), task, ref, None)
+def _quality(ctx: StepContext, cand: Candidate) -> dict[str, float]:
+    q = api.evaluate(ctx, cand)
     return {"metric": q.metric, "cosine": q.cosine_mean}
 
 
 def more_recovery(
-    entry: Path, fp32_run: Path, recipe: str, steps: int, lr: float, threads: int, work: Path
+    entry: Path,
+    fp32_run: Path,
+    recipe: str,
+    steps: int,
+    lr: float,
+    threads: int,
+    work: Path,
+    samples: int = 128,
 ) -> dict[str, Any]:
     import torch
 
@@ -56,14 +66,13 @@ def more_recovery(
     manifest = json.loads((fp32_run / "manifest.json").read_text())
     task = load_task(manifest["task"]["source"])
     fp32 = next(c for c in manifest["candidates"] if c["name"] == "fp32-onnx")
-    ref = make_reference(
-        make_runner(
-            Candidate("fp32-onnx", "export", None, onnx=fp32_run / fp32["artifact"]), threads
-        ),
-        task,
-        None,
+    resolved = resolve_recipe(recipe)
+    resolved = resolved.model_copy(
+        update={"target": resolved.target.model_copy(update={"threads": threads})}
     )
-    cfg = next(s for s in resolve_recipe(recipe).steps if isinstance(s, PruneConfig))
+    base = Candidate("fp32-onnx", "export", None, onnx=fp32_run / fp32["artifact"])
+    ctx = api.context_for(task, resolved, work, baseline=base, timed=False)
+    cfg = next(s for s in resolved.steps if isinstance(s, PruneConfig))
     ft = cfg.finetune.model_copy(
         update={"steps": steps, "lr": lr, "patience": steps + 1, "eval_every": 100}
     )
@@ -72,33 +81,36 @@ def more_recovery(
     teacher = task.model().eval()  # type: ignore[misc]
     for p in teacher.parameters():
         p.requires_grad_(False)
-    before = _quality(Candidate("before", "prune", None, module=student.eval()), task, ref, threads)
+    before = _quality(ctx, Candidate("before", "prune", None, module=student.eval()))
     data, source, _ = resolve_data(task, ft)
     start = time.perf_counter()
     result = distill(
         student.train(), teacher, data, ft, output_kind=task.output_kind, task=task, desc="recovery"
     )
     seconds = time.perf_counter() - start
-    after = _quality(Candidate("after", "prune", None, module=student.eval()), task, ref, threads)
-    sample = task.sample_inputs(1)
-    onnx_path = export_module(student.eval(), sample, work / "pruned.onnx", 17)
-    prepared = prepare(onnx_path, work / "prep", sample, threads=threads)
-    spec = QuantSpec(mode="dynamic", per_channel=True)
-    q = quantize_model(prepared.path, work / "int8.onnx", spec, [])
-    int8 = _quality(Candidate("int8", "quantize", None, onnx=q), task, ref, threads)
+    after = _quality(ctx, Candidate("after", "prune", None, module=student.eval()))
+    exported = api.export(ctx, student.eval(), name="after")
+    spec = EVERY_LAYER_DYNAMIC.model_copy(update={"samples": samples})
+    q = api.quantize(ctx, exported, spec)
+    int8 = _quality(ctx, q)
     history = [h for h in result.to_dict().get("history", []) if "val_loss" in h]
     return {
         "entry": str(entry),
         "task": manifest["task"]["source"],
         "metric_name": manifest["task"]["metric_name"],
-        "fp32_metric": ref.metric,
+        "fp32_metric": ctx.reference.metric,
         "steps": steps,
         "lr": lr,
         "data": source,
         "seconds": round(seconds, 1),
         "before": before,
         "after": after,
-        "int8": {**int8, "spec": spec.label + ", every layer INT8"},
+        "export": {"opset": exported.meta["opset"], **exported.meta["export_check"]},
+        "int8": {
+            **int8,
+            "spec": f"{q.meta['label']}, no layer kept float: {q.meta['fallback_report']}",
+        },
+        "warnings": ctx.warnings,
         "val_loss": history,
     }
 
@@ -118,6 +130,12 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"| model | cosine to FP32 | {m} (FP32 {doc['fp32_metric']:.4f}) |",
         "|---|---|---|",
         *[f"| {name} | {q['cosine']:.4f} | {q['metric']:.4f} |" for name, q in rows],
+        "",
+        f"Export of the recovered model (opset {doc['export']['opset']}) verified against "
+        f"PyTorch: max abs error {doc['export']['max_abs_err']:.3g}, min cosine "
+        f"{doc['export']['cosine_min']:.6f}.",
+        "",
+        *[f"- warning: {w}" for w in doc["warnings"]],
         *reproduce_footer(cmd),
     ]
     return "\n".join(lines)
@@ -131,13 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=128, help="calibration samples")
     parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = parser.parse_args(argv)
     if not (args.entry / WEIGHTS_FILE).is_file():
         raise SystemExit(f"{args.entry} has no pruned.pt: pass a prune step's step-cache entry")
     with tempfile.TemporaryDirectory() as tmp:
         doc = more_recovery(
-            args.entry, args.fp32_run, args.recipe, args.steps, args.lr, args.threads, Path(tmp)
+            args.entry,
+            args.fp32_run,
+            args.recipe,
+            args.steps,
+            args.lr,
+            args.threads,
+            Path(tmp),
+            args.samples,
         )
     cmd = reproduce_command("prune_more_recovery.py", argv)
     publish(_markdown(doc, cmd), doc, args.out)

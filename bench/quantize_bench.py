@@ -11,6 +11,9 @@ process's RSS before the call, sampled every 20 ms) are given for the calibrated
 
     nice -n 10 .venv/bin/python bench/quantize_bench.py --out bench/RESULTS-quantize.md
 
+The FP32 graph is the export step's (every output verified against PyTorch), slimline's variant
+is the quantize step's, and quality is measured as the pipeline measures it (``slimline.api``).
+
 ``--models minilm`` or ``--models resnet18`` runs one; ``--rounds``/``--runs`` set the timing.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,19 +31,19 @@ from typing import Any
 
 import numpy as np
 
+from bench_out import figure, publish, reproduce_command, reproduce_footer
+from slimline import StepContext, api
 from slimline.candidate import Candidate
 from slimline.compress.quant.calibrate import RssSampler, rebatch
 from slimline.compress.quant.prepare import quiet
-from slimline.compress.quantize import QuantizeConfig, quantize_step
-from slimline.context import StepContext
-from slimline.export import export_module
-from slimline.measure.latency import benchmark
-from slimline.measure.quality import Quality, evaluate, make_reference
-from slimline.measure.runners import make_runner
+from slimline.compress.quantize import QuantizeConfig
+from slimline.measure.host import busy_cores
+from slimline.measure.quality import Quality
 from slimline.recipe import Recipe
 from slimline.task import Inputs, Task, load_task
 
 THREADS = 2
+CALIBRATED = ("quantize_static defaults", "slimline auto")  # variants with a calibration pass
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -172,25 +176,12 @@ def _recipe(budget: dict[str, Any], rounds: int, runs: int) -> Recipe:
     )
 
 
-def slimline_auto(
-    task: Task, src: Path, work: Path, recipe: Recipe, samples: int, reference: Any
-) -> tuple[Path, dict[str, Any]]:
-    base = Candidate("fp32-onnx", "export", None, onnx=src)
-    ctx = StepContext(
-        task=task,
-        recipe=recipe,
-        workdir=work,
-        baseline=base,
-        reference=reference,
-        _evaluate=lambda c: evaluate(make_runner(c, THREADS), task, reference, None),
-        _compare=lambda cs: benchmark(
-            cs, task.sample_inputs(1), recipe.bench, THREADS, throughput=False
-        ),
-    )
+def slimline_auto(ctx: StepContext, samples: int, work: Path) -> tuple[Path, dict[str, Any]]:
+    """The quantize step in automatic mode on the context's FP32 baseline."""
     with RssSampler() as rss:
         start = rss.peak
         t0 = time.perf_counter()
-        out = quantize_step(QuantizeConfig(samples=samples), base, ctx)
+        out = api.quantize(ctx, ctx.baseline, QuantizeConfig(samples=samples), workdir=work)
         wall = time.perf_counter() - t0
     assert out.onnx is not None
     meta = out.meta
@@ -218,12 +209,10 @@ def _kernels(path: Path) -> str:
 def run_model(
     name: str, task: Task, budget: dict[str, Any], samples: int, rounds: int, runs: int, tmp: Path
 ) -> dict[str, Any]:
-    print(f"[{name}] export", flush=True)
-    fp32 = export_module(task.model(), task.sample_inputs(2), tmp / f"{name}-fp32.onnx")  # type: ignore[misc]
-    recipe = _recipe(budget, rounds, runs)
-    reference = make_reference(
-        make_runner(Candidate("fp32", "x", None, onnx=fp32), THREADS), task, None
-    )
+    print(f"[{name}] export (verified)", flush=True)
+    ctx = api.context_for(task, _recipe(budget, rounds, runs), tmp / name)
+    fp32 = ctx.baseline.onnx
+    assert fp32 is not None
     files: dict[str, Path] = {"FP32 ONNX Runtime": fp32}
     info: dict[str, dict[str, Any]] = {"FP32 ONNX Runtime": {}}
     print(f"[{name}] quantize_static defaults", flush=True)
@@ -238,15 +227,15 @@ def run_model(
     )
     print(f"[{name}] slimline auto", flush=True)
     files["slimline auto"], info["slimline auto"] = slimline_auto(
-        task, fp32, tmp / f"{name}-auto", recipe, samples, reference
+        ctx, samples, tmp / f"{name}-auto"
     )
     cands = [Candidate(k, "bench", None, onnx=p) for k, p in files.items()]
     print(f"[{name}] interleaved timing", flush=True)
-    lat = benchmark(cands, task.sample_inputs(1), recipe.bench, THREADS, throughput=False)
+    lat = ctx.compare(cands)
     rows = []
     for c in cands:
         assert c.onnx is not None
-        q: Quality = evaluate(make_runner(c, THREADS), task, reference, None)
+        q: Quality = api.evaluate(ctx, c)
         rows.append(
             {
                 "variant": c.name,
@@ -259,16 +248,14 @@ def run_model(
     return {
         "name": name,
         "rows": rows,
-        "fp32_metric": reference.metric,
+        "fp32_metric": ctx.reference.metric,
         "metric_name": task.metric_name,
+        "export_check": ctx.baseline.meta["export_check"],
+        "opset": ctx.baseline.meta["opset"],
     }
 
 
 # --- report ------------------------------------------------------------------------------------
-
-
-def _f(x: Any, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 def _cpu() -> str:
@@ -279,58 +266,81 @@ def _cpu() -> str:
     return f"{hw.get('cpu') or platform.machine()} ({'VNNI' if vnni else 'no VNNI'})"
 
 
-def markdown(
-    results: list[dict[str, Any]], command: str, load: tuple[list[float], list[float]], wall: float
-) -> str:
+def _conditions(before: float | None, after: float | None, wall: float) -> str:
+    """What the machine was doing around the bench, as measured (``measure.host.busy_cores``)."""
     import onnxruntime
 
+    return (
+        f"Machine: {_cpu()}, {os.cpu_count()} cores, {THREADS} threads per session, ONNX Runtime "
+        f"{onnxruntime.__version__}. Other processes used {figure(before, '.1f')} cores in the "
+        f"second before the bench and {figure(after, '.1f')} in the second after it. Bench wall "
+        f"time {wall / 60:.1f} min. The ratios come from one interleaved run per model."
+    )
+
+
+def _calibration(row: dict[str, Any], key: str, fmt: str) -> str:
+    """A calibration figure; "-" for a variant that does not calibrate (FP32, dynamic)."""
+    if row["variant"] not in CALIBRATED:
+        return "-"
+    return figure(row.get(key), fmt)
+
+
+def _model_section(r: dict[str, Any]) -> list[str]:
+    base = r["rows"][0]["latency"]["p50"]
+    check = r["export_check"]
+    lines = [
+        f"## {r['name']} (batch 1; metric {r['metric_name']}, FP32 {r['fp32_metric']:.4f})",
+        "",
+        f"FP32 export (opset {r['opset']}) verified against PyTorch: max abs error "
+        f"{check['max_abs_err']:.3g}, min cosine {check['cosine_min']:.6f}.",
+        "",
+        "| variant | p50 ms | band (per-round p50) | latency / FP32 | runs INT8 | cosine mean | cosine min | metric | calibration s | calib. peak RSS +MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lat, q = row["latency"], row["quality"]
+        lines.append(
+            f"| {row['variant']} | {lat['p50']:.2f} | {lat['band'][0]:.2f}-{lat['band'][1]:.2f} | "
+            f"{lat['p50'] / base:.3f}x | {row['kernels']} | {q.cosine_mean:.4f} | {q.cosine_min:.4f} | "
+            f"{q.metric:.4f} | {_calibration(row, 'calibration_s', '.1f')} | "
+            f"{_calibration(row, 'peak_rss_mb', '.0f')} |"
+        )
+    auto = r["rows"][-1]
+    lines += [
+        "",
+        f"slimline auto chose **{auto['label']}**; the whole step (prepare, calibrate "
+        f"{figure(auto['calibration_s'], '.0f')} s, quantize and evaluate every candidate, "
+        f"interleaved timing, layer-wise error) took {auto['step_s']:.0f} s: {auto['timings']}.",
+    ]
+    if auto.get("no_candidate_met_budget"):
+        lines.append(f"\nNo candidate met the budget: {auto['no_candidate_met_budget']}")
+    return [*lines, "", *[f"- warning: {w}" for w in auto["warnings"]], ""]
+
+
+def markdown(results: list[dict[str, Any]], command: str, conditions: str) -> str:
     lines = [
         "# INT8 quantization: FP32 vs ONNX Runtime's defaults vs slimline automatic mode",
         "",
-        f"Reproduce: `{command}`",
-        "",
-        f"Machine: {_cpu()}, {os.cpu_count()} cores, "
-        f"{THREADS} threads per session, ONNX Runtime {onnxruntime.__version__}. "
-        f"Load average (1/5/15 min) before: {', '.join(f'{x:.1f}' for x in load[0])}; after: "
-        f"{', '.join(f'{x:.1f}' for x in load[1])} (the bench itself keeps about 2-3 tasks "
-        f"runnable). Bench wall time {wall / 60:.1f} min. "
-        + (
-            "Other work was running when it started, so absolute milliseconds are noisy; "
-            if load[0][0] > (os.cpu_count() or 1)
-            else "Nothing else was running when it started; "
-        )
-        + "the ratios come from one interleaved run per model.",
+        conditions,
         "",
     ]
     for r in results:
-        base = r["rows"][0]["latency"]["p50"]
-        lines += [
-            f"## {r['name']} (batch 1; metric {r['metric_name']}, FP32 {r['fp32_metric']:.4f})",
-            "",
-            "| variant | p50 ms | band (per-round p50) | latency / FP32 | runs INT8 | cosine mean | cosine min | metric | calibration s | calib. peak RSS +MB |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in r["rows"]:
-            lat, q = row["latency"], row["quality"]
-            lines.append(
-                f"| {row['variant']} | {lat['p50']:.2f} | {lat['band'][0]:.2f}-{lat['band'][1]:.2f} | "
-                f"{lat['p50'] / base:.3f}x | {row['kernels']} | {q.cosine_mean:.4f} | {q.cosine_min:.4f} | "
-                f"{q.metric:.4f} | {_f(row.get('calibration_s'), '.1f')} | {_f(row.get('peak_rss_mb'), '.0f')} |"
-            )
-        auto = r["rows"][-1]
-        lines += [
-            "",
-            f"slimline auto chose **{auto.get('label')}**; the whole step (prepare, calibrate "
-            f"{auto.get('calibration_s'):.0f} s, quantize and evaluate every candidate, interleaved "
-            f"timing, layer-wise error) took {auto.get('step_s', 0):.0f} s: {auto.get('timings')}.",
-        ]
-        if auto.get("no_candidate_met_budget"):
-            lines.append(f"\nNo candidate met the budget: {auto['no_candidate_met_budget']}")
-        lines += ["", *[f"- warning: {w}" for w in auto.get("warnings", [])], ""]
-    return "\n".join(lines) + "\n"
+        lines += _model_section(r)
+    return "\n".join([*lines, *reproduce_footer(command)])
 
 
-def main() -> None:
+def _doc(results: list[dict[str, Any]], conditions: str) -> dict[str, Any]:
+    """The JSON beside the markdown: every figure, Quality records as plain dicts."""
+    return {
+        "conditions": conditions,
+        "models": [
+            {**r, "rows": [{**row, "quality": vars(row["quality"])} for row in r["rows"]]}
+            for r in results
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--models", nargs="+", default=["minilm", "resnet18"], choices=["minilm", "resnet18"]
@@ -339,8 +349,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=40, help="timed runs per candidate per round")
     ap.add_argument("--out", type=Path, default=Path("bench/RESULTS-quantize.md"))
-    args = ap.parse_args()
-    load_before, t0 = list(os.getloadavg()), time.perf_counter()
+    args = ap.parse_args(argv)
+    busy_before, t0 = busy_cores(1.0), time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -354,17 +364,12 @@ def main() -> None:
             results.append(
                 run_model(name, task, budget, args.samples, args.rounds, args.runs, Path(tmp))
             )
-    command = "nice -n 10 .venv/bin/python bench/quantize_bench.py " + " ".join(
-        f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
-    )
-    text = markdown(
-        results, command, (load_before, list(os.getloadavg())), time.perf_counter() - t0
-    )
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(text)
-    tmp_out.replace(args.out)
-    print(text)
+    wall = time.perf_counter() - t0
+    conditions = _conditions(busy_before, busy_cores(1.0), wall)
+    command = "nice -n 10 " + reproduce_command("quantize_bench.py", argv)
+    publish(markdown(results, command, conditions), _doc(results, conditions), args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

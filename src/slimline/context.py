@@ -25,7 +25,12 @@ from .task import Task
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
 
-__all__ = ["StepContext", "step_key_parts"]
+__all__ = ["Compare", "Evaluate", "StepContext", "step_key_parts"]
+
+# Task metric and fidelity of a candidate against the FP32 reference outputs.
+Evaluate = Callable[[Candidate], "Quality"]
+# Latency of candidates timed interleaved, keyed by name (see StepContext.compare).
+Compare = Callable[[list[Candidate]], dict[str, dict[str, Any]]]
 
 
 def step_key_parts(
@@ -64,9 +69,11 @@ class StepContext:
     # the pipeline's cache and the task's data hashes (a context built without them makes its own)
     cache: StepCache | None = None
     data_hashes: dict[str, str] = field(default_factory=dict)
-    # injected by the pipeline so steps measure the same way the pipeline does
-    _evaluate: Callable[[Candidate], Quality] | None = None
-    _compare: Callable[[list[Candidate]], dict[str, dict[str, Any]]] | None = None
+    # how steps measure: the pipeline passes its own measurement (so do slimline.api's
+    # contexts by default); a context without ``compare_fn`` has no benchmark, and steps skip
+    # their optional timings
+    evaluate_fn: Evaluate | None = None
+    compare_fn: Compare | None = None
 
     @property
     def threads(self) -> int:
@@ -91,16 +98,16 @@ class StepContext:
 
     def evaluate(self, cand: Candidate) -> Quality:
         """Task metric and fidelity of ``cand`` against the FP32 reference outputs."""
-        assert self._evaluate is not None
-        return self._evaluate(cand)
+        assert self.evaluate_fn is not None, "this StepContext was built without evaluate_fn"
+        return self.evaluate_fn(cand)
 
     def compare(self, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
         """Latency of ``cands`` measured interleaved (A B C A B C ...), keyed by name.
 
         Each value has ``latency_ms`` = {p50, p95, p99, mean, band: [lo, hi]}.
         """
-        assert self._compare is not None
-        return self._compare(cands)
+        assert self.compare_fn is not None, "this StepContext was built without compare_fn"
+        return self.compare_fn(cands)
 
     def within_budget(self, quality: Quality) -> tuple[bool, str]:
         """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from .record import (
 from .steps import check_order, handler_for, restorer_for, spec_for, start_forms
 from .task import Task, load_task
 
-__all__ = ["Run", "run_recipe"]
+__all__ = ["Run", "run_recipe", "start_run", "step_context"]
 
 log = logging.getLogger("slimline.pipeline")
 BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it unreliable
@@ -214,6 +214,34 @@ def _baselines(run: Run) -> None:
     run.chain.append(onnx_cand)
 
 
+def start_run(
+    recipe: Recipe,
+    task: Task,
+    out: Path,
+    *,
+    cache: Path | None = None,
+    baseline: Candidate | None = None,
+) -> Run:
+    """A run up to its first step, for library use (:mod:`slimline.api`): the task's data
+    hashes, the FP32 baselines and the FP32 reference outputs. With ``baseline`` that candidate
+    is the baseline instead of the task's verified export; the reference outputs are still the
+    task's own model's where it has one."""
+    run = Run(recipe=recipe, task=task, out=Path(out), cache=StepCache(cache or cache_dir()))
+    run.out.mkdir(parents=True, exist_ok=True)
+    if baseline is None:
+        _baselines(run)
+        return run
+    run.hashes["calibration_data"] = data_hash(task.calibration_data())
+    run.hashes["eval_data"] = data_hash(task.eval_data())
+    baseline = replace(baseline, accepted=True, reason="baseline")  # the caller's stays as it is
+    run.chain.append(baseline)
+    fp32 = baseline
+    if baseline.module is None and task.model is not None:
+        fp32 = Candidate("fp32-torch", "fp32", None, module=task.model())
+    run.reference = _reference(run, fp32)
+    return run
+
+
 def _reference(run: Run, cand: Candidate) -> Reference:
     with _timed("FP32 reference outputs"):
         runner = make_runner(cand, run.threads, run.task.signature)
@@ -242,9 +270,14 @@ def _context(run: Run, workdir: Path) -> StepContext:
         reference=run.reference,
         cache=run.cache,
         data_hashes=run.hashes,
-        _evaluate=lambda c: _quality(run, c),
-        _compare=lambda cs: _compare(run, cs),
+        evaluate_fn=lambda c: _quality(run, c),
+        compare_fn=lambda cs: _compare(run, cs),
     )
+
+
+def step_context(run: Run, workdir: Path) -> StepContext:
+    """The context the pipeline gives a step of ``run`` that writes into ``workdir``."""
+    return _context(run, workdir)
 
 
 def _cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:

@@ -5,10 +5,8 @@ from typing import Any
 
 import pytest
 
+from slimline import StepContext, api
 from slimline.candidate import Candidate
-from slimline.context import StepContext
-from slimline.measure.quality import evaluate, make_reference
-from slimline.measure.runners import TorchRunner, make_runner
 from slimline.recipe import recipe_from_dict
 from slimline.task import Task, load_task
 
@@ -17,12 +15,13 @@ DIGITS = Path(__file__).parent / "digits_task.py"
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Round checkpoints and sensitivity tables go to a per-test step cache (a context built
-    without one opens ``cache_dir()``); trained fixture weights stay shared."""
-    import slimline.context as context
+    """Round checkpoints and sensitivity tables go to a per-test step cache (a context from
+    ``api.context_for`` without ``cache`` opens ``cache_dir()``); trained fixture weights stay
+    shared."""
+    import slimline.pipeline as pipeline
 
     root = tmp_path / "prune-cache"
-    monkeypatch.setattr(context, "cache_dir", lambda *parts: _mk(root.joinpath(*parts)))
+    monkeypatch.setattr(pipeline, "cache_dir", lambda *parts: _mk(root.joinpath(*parts)))
 
 
 def _mk(path: Path) -> Path:
@@ -36,15 +35,9 @@ def digits() -> Task:
 
 
 def make_context(task: Task, workdir: Path, **recipe: Any) -> StepContext:
+    """The pipeline's context on ``task`` with the FP32 torch model as baseline and no
+    benchmark (the prune step then skips its PyTorch timing)."""
     rec = recipe_from_dict({"name": "t", "task": task.source, "target": {"threads": 1}, **recipe})
     assert task.model is not None
-    ref = make_reference(TorchRunner("fp32", task.model(), 1), task, None)
     fp32 = Candidate("fp32-torch", "fp32", None, module=task.model())
-    return StepContext(
-        task=task,
-        recipe=rec,
-        workdir=workdir,
-        baseline=fp32,
-        reference=ref,
-        _evaluate=lambda c: evaluate(make_runner(c, 1), task, ref, None),
-    )
+    return api.context_for(task, rec, workdir, baseline=fp32, timed=False)

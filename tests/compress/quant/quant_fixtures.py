@@ -13,12 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from slimline import StepContext, api
 from slimline.candidate import Candidate
-from slimline.context import StepContext
 from slimline.export import export_module
-from slimline.measure.latency import benchmark
-from slimline.measure.quality import evaluate, make_reference
-from slimline.measure.runners import make_runner
 from slimline.recipe import Recipe
 from slimline.task import Task
 
@@ -149,6 +146,7 @@ def cnn_task(onnx_path: Path, eval_scale: float = 1.0, calib_batches: int = 4) -
 def make_ctx(
     task: Task, baseline_onnx: Path, workdir: Path, budget: dict[str, Any] | None = None
 ) -> StepContext:
+    """The pipeline's context on ``task`` with ``baseline_onnx`` as the FP32 baseline."""
     recipe = Recipe(
         name="t",
         task="tests",
@@ -163,14 +161,4 @@ def make_ctx(
         },
     )
     base = Candidate("fp32-onnx", "export", None, onnx=baseline_onnx)
-    ref = make_reference(make_runner(base, 1), task, None)
-    workdir.mkdir(parents=True, exist_ok=True)
-    return StepContext(
-        task=task,
-        recipe=recipe,
-        workdir=workdir,
-        baseline=base,
-        reference=ref,
-        _evaluate=lambda c: evaluate(make_runner(c, 1), task, ref, None),
-        _compare=lambda cs: benchmark(cs, task.sample_inputs(1), recipe.bench, 1, throughput=False),
-    )
+    return api.context_for(task, recipe, workdir, baseline=base, cache=workdir.parent / "cache")

@@ -28,7 +28,7 @@ def _input(onnx_path: Path) -> Candidate:
 def _fp32_timed_slow(ctx: StepContext, factor: float = 10.0) -> None:
     """Real timings, with FP32's scaled up ``factor`` times: every candidate is then faster than
     FP32, so which one is chosen depends only on the budget and the candidates' own timings."""
-    real = ctx._compare
+    real = ctx.compare_fn
     assert real is not None
 
     def compare(cands: list[Candidate]) -> dict[str, dict[str, Any]]:
@@ -41,7 +41,7 @@ def _fp32_timed_slow(ctx: StepContext, factor: float = 10.0) -> None:
                 lat[key] = [v * factor for v in value]
         return figures
 
-    ctx._compare = compare
+    ctx.compare_fn = compare
 
 
 @pytest.fixture(scope="module")

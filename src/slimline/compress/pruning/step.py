@@ -494,7 +494,7 @@ def _export(ctx: StepContext, module: Any) -> tuple[Path, dict[str, Any]]:
 def _torch_view(ctx: StepContext, teacher: Any, pruned: Any) -> dict[str, Any] | None:
     """Metric, fidelity and interleaved latency of the pruned model in PyTorch against the FP32
     PyTorch model: the PyTorch half of the report's four-way table."""
-    if ctx._compare is None:  # a context without a benchmark (library use, unit tests)
+    if ctx.compare_fn is None:  # a context without a benchmark (library use, unit tests)
         return None
     quality = ctx.evaluate(Candidate("prune-torch", "prune", None, module=pruned))
     lat = ctx.compare(
