@@ -187,9 +187,11 @@ def _dynamo(
     import torch
 
     batch = torch.export.Dim("batch")
-    onnx_log = logging.getLogger("torch.onnx")
-    level = onnx_log.level
-    onnx_log.setLevel(logging.ERROR)  # it logs each opset or op it does not convert, at WARNING
+    # it and its onnxscript passes log every opset conversion and folding step at INFO/WARNING
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         program = torch.onnx.export(
             module,
@@ -201,7 +203,8 @@ def _dynamo(
             dynamo=True,
         )
     finally:
-        onnx_log.setLevel(level)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
     assert program is not None  # dynamo=True without a destination returns the program
     return bytes(program.model_proto.SerializeToString())
 
