@@ -32,3 +32,12 @@ def test_a_zero_row_against_a_non_zero_one_has_cosine_zero() -> None:
     ref = np.zeros((1, 4), np.float32)
     fid = fidelity(np.ones((1, 4), np.float32), ref, logits=False)
     assert fid["cosine_min"] == 0.0
+
+
+def test_an_onnx_tasks_metric_scores_identical_near_zero_outputs_one() -> None:
+    """The ONNX task's metric (mean cosine to FP32) agrees with fidelity() on such rows: the
+    FP32 baseline's own metric is 1.0, so candidates are not judged against a lower baseline."""
+    from slimline.onnx_task import _mean_cosine
+
+    ref = np.full((2, 16), 1e-7, np.float32)
+    assert _mean_cosine(ref.copy(), ref) == 1.0
