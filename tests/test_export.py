@@ -4,6 +4,7 @@ tolerance of the model's kind (float or fake-quant QDQ); the config can override
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ from slimline.errors import ExportError
 from slimline.export import (
     TOLERANCES,
     ExportConfig,
+    _export_verified,
     export_kind,
     export_module,
     output_names,
@@ -93,3 +95,51 @@ def test_a_fake_quant_model_is_checked_with_the_qdq_tolerance(tmp_path: Path) ->
     strict = ExportConfig(max_abs_err=1e-3)  # the config overrides the kind's default
     with pytest.raises(ExportError, match=r"limit 0\.001"):
         verify_export(model, path, _sample(8), strict, threads=1)
+
+
+class Frames(torch.nn.Module):
+    """Frames of a padded signal by ``Tensor.unfold``, as STFT front ends do: the TorchScript
+    exporter cannot export unfold of a dynamic size, the dynamo exporter can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x, (4, 4), mode="reflect")
+        return self.fc(x.unfold(-1, 8, 4)).mean(1)
+
+
+def _signal(n: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(n).normal(size=(n, 32)).astype(np.float32)}
+
+
+def test_auto_falls_back_to_the_dynamo_exporter_and_records_it(tmp_path: Path) -> None:
+    ctx = SimpleNamespace(workdir=tmp_path, threads=1)
+    cfg = ExportConfig()
+    assert cfg.exporter == "auto"
+    path, check, exporter, failed = _export_verified(Frames(), _signal(4), cfg, ctx)  # type: ignore[arg-type]
+    assert exporter == "dynamo"
+    assert "torchscript exporter" in failed["torchscript"] and "Unfold" in failed["torchscript"]
+    assert "forward()" not in failed["torchscript"]  # the module is fine: no advice to change it
+    assert check["cosine_min"] > 0.9999
+    batch = ort_session(path, 1).get_inputs()[0].shape[0]
+    assert not isinstance(batch, int)  # the batch axis stays dynamic
+    got = ort_session(path, 1).run(None, _signal(3))[0]
+    with torch.no_grad():
+        ref = Frames()(torch.from_numpy(_signal(3)["x"])).numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_an_exporter_named_in_the_config_is_the_only_one_tried(tmp_path: Path) -> None:
+    ctx = SimpleNamespace(workdir=tmp_path, threads=1)
+    with pytest.raises(ExportError, match="torchscript exporter"):
+        _export_verified(Frames(), _signal(4), ExportConfig(exporter="torchscript"), ctx)  # type: ignore[arg-type]
+    _, _, exporter, failed = _export_verified(
+        TwoHeads(False),
+        _sample(4),
+        ExportConfig(),
+        ctx,  # type: ignore[arg-type]
+    )
+    assert (exporter, failed) == ("torchscript", {})

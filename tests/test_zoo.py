@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,51 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "bench" / "zoo.py"
 
 
-def _xfail(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
-# The smallest models with the signatures slimline was not built on. Cases marked xfail fail on
-# this tree for a fix that lives on another branch (issue 13); the merge turns them into XPASS,
-# which strict mode reports, so the marker must then be removed.
+# The smallest models with the signatures slimline was not built on: a depthwise CNN, a recurrent
+# state input whose batch axis is not the first plus a scalar input (compute inside If
+# subgraphs), a fixed batch of 1 with a GRU state, and a PyTorch module that only the dynamo
+# exporter can export.
 QUICK = [
-    pytest.param(
-        "ppocr-cls",
-        marks=_xfail(
-            "issue 13 items 1 and 3: a quantize candidate slimline wrote (static QDQ U8S8 "
-            "per-channel MinMax) is an INVALID_GRAPH in ONNX Runtime and ends the run with exit 2"
-        ),
-        id="ppocr-cls-depthwise-cnn",
-    ),
-    pytest.param(
-        "silero-vad",
-        marks=_xfail(
-            "issue 13 item 4: state input [2, batch, 128] (batch axis not first) and a scalar "
-            "sample-rate input: onnx_task.load_samples raises TypeError (len() of unsized "
-            "object); and item 1: behind it, the quantize step finds no compute node outside the "
-            "model's If subgraphs and ends the run ('nothing to quantize') instead of being "
-            "rejected"
-        ),
-        id="silero-vad-state-and-scalar",
-    ),
-    pytest.param(
-        "akiki-vad",
-        marks=_xfail(
-            "issue 13 item 4: fixed batch 1 ([1, 576]) with its GRU state h [1, 1, 128] stacked "
-            "on h's batch axis (1): slimline reads every batch from axis 0 and refuses the "
-            "samples (different batch sizes [1, 125])"
-        ),
-        id="akiki-vad-fixed-batch-gru",
-    ),
-    pytest.param(
-        "akiki-vad-torch",
-        marks=_xfail(
-            "no branch fixes this yet: the export step's TorchScript exporter (dynamo=False) "
-            "cannot export Tensor.unfold of a dynamic size ('ONNX export of operator Unfold, "
-            "input size not accessible'); torch.onnx.export(dynamo=True) exports this module"
-        ),
-        id="akiki-vad-torch-export",
-    ),
+    pytest.param("ppocr-cls", id="ppocr-cls-depthwise-cnn"),
+    pytest.param("silero-vad", id="silero-vad-state-and-scalar"),
+    pytest.param("akiki-vad", id="akiki-vad-fixed-batch-gru"),
+    pytest.param("akiki-vad-torch", id="akiki-vad-torch-export"),
 ]
 
 

@@ -9,7 +9,7 @@ import warnings
 from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import onnx
@@ -56,6 +56,11 @@ class ExportConfig(StepConfig):
         description="export check: min cosine vs PyTorch (default: by the model's kind)",
     )
     check_samples: int = Field(8, ge=1, le=1024)
+    exporter: Literal["auto", "torchscript", "dynamo"] = Field(
+        "auto",
+        description="auto: the TorchScript exporter, then the dynamo exporter "
+        "(torch.onnx.export(dynamo=True)) where the first fails to export or to verify",
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,11 @@ def _torch_forward(module: Any, sample: Inputs) -> Any:
         return module(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sample.items()})
 
 
-def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> Path:
-    """Export ``module`` (called with ``sample`` as keyword arguments) to ``path``, atomically.
+def export_module(
+    module: Any, sample: Inputs, path: Path, opset: int = 17, exporter: str = "torchscript"
+) -> Path:
+    """Export ``module`` (called with ``sample`` as keyword arguments) to ``path``, atomically,
+    with torch's TorchScript exporter or its dynamo exporter (``exporter``).
 
     Every output the model returns is exported under a name from :func:`output_names`; the
     first axis of every input and every output is dynamic ("batch").
@@ -137,30 +145,69 @@ def export_module(module: Any, sample: Inputs, path: Path, opset: int = 17) -> P
     module = eval_module(module)  # the caller's module keeps its training flags
     outputs = output_names(module, sample)
     args = tuple(torch.from_numpy(np.ascontiguousarray(sample[n])) for n in names)
-    dynamic = {n: {0: "batch"} for n in [*names, *outputs]}
-    buf = io.BytesIO()
     try:
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module,
-                args,
-                buf,  # type: ignore[arg-type]
-                input_names=names,
-                output_names=outputs,
-                dynamic_axes=dynamic,
-                opset_version=opset,
-                do_constant_folding=True,
-                dynamo=False,
+            data = (_dynamo if exporter == "dynamo" else _torchscript)(
+                module, args, names, outputs, opset
             )
     except Exception as err:
         msg = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
         raise ExportError(
-            f"torch.onnx.export failed for {type(module).__name__}: {msg}; make forward() take the "
-            f"inputs {names} as tensors and return tensors"
+            f"torch.onnx.export ({exporter} exporter) failed for {type(module).__name__}: {msg}"
         ) from None
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, data)
     return path
+
+
+def _torchscript(
+    module: Any, args: tuple[Any, ...], names: list[str], outputs: list[str], opset: int
+) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.onnx.export(
+        module,
+        args,
+        buf,  # type: ignore[arg-type]
+        input_names=names,
+        output_names=outputs,
+        dynamic_axes={n: {0: "batch"} for n in [*names, *outputs]},
+        opset_version=opset,
+        do_constant_folding=True,
+        dynamo=False,
+    )
+    return buf.getvalue()
+
+
+def _dynamo(
+    module: Any, args: tuple[Any, ...], names: list[str], outputs: list[str], opset: int
+) -> bytes:
+    """torch.export traces the module (it handles ops such as ``Tensor.unfold`` of a dynamic
+    size that the TorchScript exporter cannot); one shared batch dimension on every input."""
+    import torch
+
+    batch = torch.export.Dim("batch")
+    # it and its onnxscript passes log every opset conversion and folding step at INFO/WARNING
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        program = torch.onnx.export(
+            module,
+            args,
+            input_names=names,
+            output_names=outputs,
+            dynamic_shapes=tuple({0: batch} for _ in args),
+            opset_version=opset,
+            dynamo=True,
+        )
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    assert program is not None  # dynamo=True without a destination returns the program
+    return bytes(program.model_proto.SerializeToString())
 
 
 def _worst(checks: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -217,7 +264,7 @@ def verify_export(
     contract=Contract(
         consumes=("torch",), produces=("onnx",), keeps=("torch",), once=True, first=True
     ),
-    version=2,  # every output named and checked
+    version=3,  # 2: every output named and checked; 3: the dynamo exporter as a fallback
     reads=("target.threads",),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
@@ -227,10 +274,10 @@ def export_step(cfg: ExportConfig, cand: Candidate, ctx: StepContext) -> Candida
             f"candidate {cand.name} has no torch module to export; an ONNX task starts exported"
         )
     sample = ctx.task.sample_inputs(cfg.check_samples)
-    path = export_module(cand.module, sample, ctx.workdir / "model.onnx", cfg.opset)
-    check = verify_export(cand.module, path, sample, cfg, ctx.threads)
+    path, check, exporter, failed = _export_verified(cand.module, sample, cfg, ctx)
     log.info(
-        "export verified: max abs err %.3g, min cosine %.6f",
+        "export (%s exporter) verified: max abs err %.3g, min cosine %.6f",
+        exporter,
         check["max_abs_err"],
         check["cosine_min"],
     )
@@ -240,5 +287,40 @@ def export_step(cfg: ExportConfig, cand: Candidate, ctx: StepContext) -> Candida
         parent=cand.name,
         onnx=path,
         module=cand.module,
-        meta={"opset": cfg.opset, "export_check": check},
+        meta={
+            "opset": _opset_of(path),  # the dynamo exporter may raise it to one it implements
+            "exporter": exporter,
+            **({"exporters_failed": failed} if failed else {}),
+            "export_check": check,
+        },
     )
+
+
+def _opset_of(path: Path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _export_verified(
+    module: Any, sample: Inputs, cfg: ExportConfig, ctx: StepContext
+) -> tuple[Path, dict[str, Any], str, dict[str, str]]:
+    """The first of the configured exporters whose file exports and agrees with PyTorch: its
+    path, check and name, and why each exporter before it failed. Raises the last failure,
+    naming every exporter's, when none succeeds. An exporter's failure is the step's: a module
+    one exporter cannot trace may be fine for the other."""
+    order: list[str] = ["torchscript", "dynamo"] if cfg.exporter == "auto" else [cfg.exporter]
+    failed: dict[str, str] = {}
+    for exporter in order:
+        path = ctx.workdir / "model.onnx"  # a later exporter writes over a failed one
+        try:
+            export_module(module, sample, path, cfg.opset, exporter)
+            check = verify_export(module, path, sample, cfg, ctx.threads)
+        except ExportError as err:
+            failed[exporter] = str(err)
+            if exporter != order[-1]:
+                log.info(
+                    "export: %s; trying the %s exporter", err, order[order.index(exporter) + 1]
+                )
+            continue
+        return path, check, exporter, failed
+    raise ExportError("; ".join(failed.values()))

@@ -60,3 +60,27 @@ def test_the_users_model_is_blamed_only_when_it_is_the_users(tmp_path: Path) -> 
         ort_session(path, 1, user_model=True)
     with pytest.raises(ModelFileError, match="does not exist"):
         ort_session(tmp_path / "missing.onnx", 1, user_model=True)
+
+
+def _layer_norm_at_opset_12(path: Path) -> Path:
+    """LayerNormalization in the default domain of an opset 12 graph, as ONNX Runtime's
+    extended optimizer writes it into PP-OCR's recognizer (ONNX's schema starts at opset 17)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "scale")
+    bias = numpy_helper.from_array(np.zeros(4, np.float32), "bias")
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1)
+    graph = helper.make_graph([node], "g", [x], [y], initializer=[scale, bias])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+    model.ir_version = 7
+    onnx.save(model, str(path))
+    return path
+
+
+def test_an_op_onnx_runtime_registers_before_onnx_does_passes_the_check(tmp_path: Path) -> None:
+    path = _layer_norm_at_opset_12(tmp_path / "ln.onnx")
+    with pytest.raises(onnx.checker.ValidationError, match="No Op registered"):
+        onnx.checker.check_model(str(path))
+    check_candidate(path)  # ONNX Runtime, which runs it, loads it
+    out = ort_session(path, 1).run(None, {"x": np.arange(8, dtype=np.float32).reshape(2, 4)})[0]
+    assert np.allclose(out.mean(axis=-1), 0.0, atol=1e-5)

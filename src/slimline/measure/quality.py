@@ -103,8 +103,13 @@ def fidelity(outputs: np.ndarray, ref: np.ndarray, logits: bool) -> dict[str, fl
     a = outputs.reshape(len(outputs), -1).astype(np.float64)
     b = ref.reshape(len(ref), -1).astype(np.float64)
     na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    denom = np.maximum(na * nb, 1e-12)
-    cos = np.where((na == 0) & (nb == 0), 1.0, (a * b).sum(axis=1) / denom)
+    # no floor on the denominator: a probability map that is ~1e-7 everywhere (a detector on a
+    # row without text) has a norm product far below any floor, and a floor made identical rows
+    # score cosine ~0. Identical rows are 1, a zero row against a non-zero one is 0.
+    denom = na * nb
+    with np.errstate(divide="ignore", invalid="ignore"):
+        raw = (a * b).sum(axis=1) / np.where(denom > 0, denom, 1.0)
+    cos = np.where(np.all(a == b, axis=1), 1.0, np.where(denom > 0, raw, 0.0))
     top1 = None
     if logits and a.shape[1] > 1:
         top1 = float((a.argmax(axis=1) == b.argmax(axis=1)).mean())

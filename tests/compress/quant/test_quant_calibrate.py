@@ -202,3 +202,23 @@ def test_entropy_ranges_differ_from_minmax_and_clip_the_spikes(prepared, tmp_pat
         != pytest.approx([float(v) for v in ranges["minmax"][k].range_value], rel=1e-3)
         for k in ranges["minmax"]
     )
+
+
+def test_histogram_work_per_tensor_is_bounded_over_the_whole_calibration() -> None:
+    """One-row chunks (a fixed batch, or rows too large to chunk) share one budget per tensor
+    instead of each histogramming up to the per-chunk cap."""
+    from slimline.compress.quant.calibrate import (
+        _HIST_MIN_VALUES,
+        _HIST_TOTAL,
+        _HIST_VALUES,
+        _hist_limit,
+        _subsample,
+    )
+
+    assert _hist_limit(1, 300) == _HIST_MIN_VALUES
+    assert _hist_limit(64, 64) == _HIST_VALUES
+    total = sum(_hist_limit(1, 32) for _ in range(32))
+    assert total <= _HIST_TOTAL
+    big = np.arange(_HIST_VALUES * 4, dtype=np.float32)
+    assert _subsample(big, _hist_limit(1, 300)).size == _HIST_MIN_VALUES
+    assert _subsample(big[:100], _hist_limit(1, 300)).size == 100  # small tensors whole

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -149,6 +150,67 @@ def test_a_model_with_nothing_quantizable_is_an_error(tmp_path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     with pytest.raises(StepError, match="nothing to quantize"):
         prepare(path, tmp_path / "p", {"x": np.ones((1, 4), np.float32)})
+
+
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_compute_inside_if_subgraphs_is_named_as_the_reason(tmp_path: Path) -> None:
+    """A model whose MatMul sits in an If branch (as silero-vad's does): the step fails with the
+    reason, which does not tell the user to change a recipe."""
+    w = onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])
+
+    def branch(name: str) -> onnx.GraphProto:
+        node = helper.make_node("MatMul", ["x", "w"], ["y"], name=f"{name}_mm")
+        return helper.make_graph([node], name, [], [out])
+
+    cond = helper.make_tensor_value_info("cond", TensorProto.BOOL, [])
+    node = helper.make_node(
+        "If", ["cond"], ["y"], name="if", then_branch=branch("then"), else_branch=branch("else")
+    )
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    graph = helper.make_graph([node], "g", [x, cond], [out], initializer=[w])
+    path = _save(graph, tmp_path / "if.onnx")
+    sample = {"x": np.ones((1, 4), np.float32), "cond": np.array(True)}
+    with pytest.raises(StepError, match="inside If subgraphs") as err:
+        prepare(path, tmp_path / "p", sample)
+    assert "2 MatMul" in str(err.value) and "recipe" not in str(err.value)
+
+
+def test_an_already_quantized_model_is_named_as_the_reason(tmp_path: Path) -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.UINT8, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.INT32, ["b", 4])
+    w = onnx.numpy_helper.from_array(np.eye(4, dtype=np.uint8), "w")
+    node = helper.make_node("MatMulInteger", ["x", "w"], ["y"], name="mmi")
+    path = _save(helper.make_graph([node], "g", [x], [y], initializer=[w]), tmp_path / "q.onnx")
+    with pytest.raises(StepError, match=r"already quantized \(1 MatMulInteger\)"):
+        prepare(path, tmp_path / "p", {"x": np.ones((1, 4), np.uint8)})
+
+
+def test_preparation_writes_nothing_in_the_working_directory(
+    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Symbolic shape inference saves a temporary model (and its .data) in the current directory
+    when it cannot infer every shape (onnxruntime.tools.symbolic_shape_infer); preparation runs it
+    inside its own output folder and leaves the cwd as it was."""
+    from onnxruntime.quantization import shape_inference
+
+    real = shape_inference.quant_pre_process
+
+    def leaves_temp_files(*args: Any, **kwargs: Any) -> None:
+        Path("sym_shape_infer_temp.onnx").write_bytes(b"")  # what ONNX Runtime leaves there
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(shape_inference, "quant_pre_process", leaves_temp_files)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    prepare(cnn_onnx, tmp_path / "p", cnn_inputs(0, 1))
+    assert Path.cwd() == cwd
+    assert list(cwd.iterdir()) == []
 
 
 def _head_split_model(width: int, head_size: int) -> onnx.ModelProto:

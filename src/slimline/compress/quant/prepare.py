@@ -22,7 +22,7 @@ import io
 import logging
 import tempfile
 from collections import Counter
-from contextlib import redirect_stdout
+from contextlib import chdir, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,14 +109,51 @@ def prepare(
     _name_unnamed(prepared, dst, nodes)
     nodes = compute_nodes(onnx.load(str(dst), load_external_data=False))
     if not nodes:
-        raise StepError(
-            f"{src.name} has no Conv, MatMul, Gemm or Attention node: nothing to quantize; "
-            "remove the quantize step from the recipe"
-        )
+        raise StepError(f"nothing to quantize in {src.name}: {_why_no_compute(prepared)}")
     counts = dict(sorted(Counter(n.op_type for n in prepared.graph.node).items()))
     return Prepared(
         dst, [n.name for n in nodes], {n.name: n.op_type for n in nodes}, transformer, counts, notes
     )
+
+
+_INTEGER_OPS = ("ConvInteger", "MatMulInteger", "QLinearConv", "QLinearMatMul", "QAttention")
+_CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def _why_no_compute(model: onnx.ModelProto) -> str:
+    """Why a graph has no float compute node in its main graph: already quantized, or its
+    compute sits inside control-flow subgraphs. ONNX Runtime's QDQ quantizer (every static
+    candidate) does not reach into subgraphs, so either way slimline keeps the parent."""
+    ops = Counter(n.op_type for n in model.graph.node)
+    integer = {op: ops[op] for op in _INTEGER_OPS if ops[op]}
+    if integer:
+        found = ", ".join(f"{n} {op}" for op, n in integer.items())
+        return f"it is already quantized ({found}); the parent is kept"
+    inside = Counter(n.op_type for n in _subgraph_nodes(model) if n.op_type in COMPUTE_OPS)
+    if inside:
+        flow = ", ".join(op for op in _CONTROL_FLOW if ops[op])
+        found = ", ".join(f"{n} {op}" for op, n in sorted(inside.items()))
+        return (
+            f"its compute ({found}) sits inside {flow} subgraphs, which ONNX Runtime's QDQ "
+            "quantizer does not reach; the parent is kept"
+        )
+    return "it has no Conv, MatMul, Gemm or Attention node; the parent is kept"
+
+
+def _subgraph_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Every node inside the control-flow subgraphs of ``model``, at any depth."""
+    found: list[onnx.NodeProto] = []
+    stack = [g for n in model.graph.node for g in _graphs_of(n)]
+    while stack:
+        graph = stack.pop()
+        for node in graph.node:
+            found.append(node)
+            stack.extend(_graphs_of(node))
+    return found
+
+
+def _graphs_of(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))]
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -388,8 +425,11 @@ def _pre_process(src: Path, dst: Path, *, skip_optimization: bool, notes: list[s
         {"skip_symbolic_shape": True},
     ]
     last: Exception | None = None
+    src = src.resolve()
     for opts in attempts:
-        with tempfile.TemporaryDirectory() as tmp, quiet():
+        # symbolic shape inference saves its temporary model (and a .data file as large as the
+        # weights) in the current directory: run it inside a temporary one under the step's own
+        with tempfile.TemporaryDirectory(dir=dst.parent) as tmp, chdir(tmp), quiet():
             out = Path(tmp) / "pre.onnx"
             try:
                 quant_pre_process(str(src), str(out), skip_optimization=skip_optimization, **opts)
