@@ -11,6 +11,7 @@ __all__ = [
     "BudgetError",
     "DataError",
     "ExportError",
+    "HardwareMismatchError",
     "InputMismatchError",
     "LoadTestError",
     "ManifestError",
@@ -55,6 +56,10 @@ class ExportError(SlimlineError):
 
 class ManifestError(SlimlineError):
     """A file given as a run manifest is not one, or has an unsupported schema."""
+
+
+class HardwareMismatchError(SlimlineError):
+    """Two manifests compared by the gate come from different CPUs, threads or runtimes."""
 
 
 class StepError(SlimlineError):

@@ -18,6 +18,7 @@ import onnx
 
 from ..candidate import Candidate
 from ..context import StepContext
+from ..cpu import detect as detect_cpu
 from ..steps import step
 from ..task import Inputs
 from .quant.auto import (
@@ -25,6 +26,7 @@ from .quant.auto import (
     Trial,
     candidates,
     describe,
+    format_warnings,
     layerwise_for,
     mixed_precision,
     search,
@@ -133,6 +135,8 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         if cfg.mode == "auto"
         else [(QuantSpec.from_config(cfg), plan)]
     )
+    for risk in format_warnings((sp for sp, _ in tries), detect_cpu()):
+        ctx.warn(f"quantize: {risk}")
     methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
     calib = _calibrate(cfg, prepared, methods, ctx)
     dist = analyse(calib, weight_stats(prepared.path, plan.int8_nodes))
@@ -223,6 +227,7 @@ def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
         "budget_ok": t.budget_ok,
         "fidelity": t.quality.fidelity_dict() if t.quality else None,
         "metric": t.quality.metric if t.quality else None,
+        "size_bytes": t.size,
     }
 
 

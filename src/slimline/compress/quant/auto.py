@@ -9,10 +9,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import onnx
 
 from ...candidate import Candidate
 from ...context import StepContext
+from ...cpu import CpuInt8
+from ...cpu import detect as detect_cpu
 from ...measure.quality import Quality
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
@@ -22,44 +26,101 @@ from .layerwise import error_statement, layer_errors
 from .plan import EDGES_FLOAT, EDGES_INT8, MIXED, PrecisionPlan
 from .prepare import Prepared
 
-__all__ = ["Trial", "candidate_specs", "candidates", "search"]
+__all__ = [
+    "Trial",
+    "candidate_specs",
+    "candidates",
+    "cpu_formats",
+    "format_warnings",
+    "has_embedding_tables",
+    "search",
+]
 
 log = logging.getLogger("slimline.quantize")
 
 
 def candidates(
-    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
+    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan, cpu: CpuInt8 | None = None
 ) -> list[tuple[QuantSpec, PrecisionPlan]]:
-    """The specs of :func:`candidate_specs` with the resolved plan. When the first/last rule was
-    not set explicitly, the candidate that matters most for speed is also tried with those layers
-    in INT8 (the budget decides): the dynamic one on MatMul-heavy graphs (on an encoder the
-    "first and last layers" are an attention block and an FFN projection, a tenth of the
-    work), the static MinMax one otherwise (a CNN's stem convolution is its largest layer)."""
-    out = [(spec, plan) for spec in candidate_specs(cfg, prepared)]
+    """The specs of :func:`candidate_specs` for ``cpu`` (this machine by default) with the
+    resolved plan. When the first/last rule was not set explicitly, the candidate that matters
+    most for speed is also tried with those layers in INT8 (the budget decides): the dynamic one
+    on MatMul-heavy graphs (on an encoder the "first and last layers" are an attention block and
+    an FFN projection, a tenth of the work), the static MinMax one otherwise (a CNN's stem
+    convolution is its largest layer). On a graph with embedding tables, that candidate is also
+    tried with the tables in INT8: most of a small encoder's bytes are its word embeddings."""
+    specs = candidate_specs(cfg, prepared, cpu or detect_cpu())
+    out = [(spec, plan) for spec in specs]
+    fast = next(sp for sp in specs if sp.mode == ("dynamic" if prepared.matmul_heavy else "static"))
     edges = [n for n, r in plan.rule.items() if r == EDGES_FLOAT]
+    fast_plan = plan
     if edges and "keep_first_last_float" not in cfg.model_fields_set:
-        fast = "dynamic" if prepared.matmul_heavy else "static"
-        spec = next(sp for sp, _ in out if sp.mode == fast)
-        out.append((spec, plan.with_int8(edges, EDGES_INT8)))
+        fast_plan = plan.with_int8(edges, EDGES_INT8)
+        out.append((fast, fast_plan))
+    if fast.mode == "dynamic" and cfg.quantize_embeddings and has_embedding_tables(prepared.path):
+        out.append((replace(fast, embeddings=True), fast_plan))
     return out
 
 
-def candidate_specs(cfg: QuantizeConfig, prepared: Prepared) -> list[QuantSpec]:
-    """Static U8S8 per-channel with MinMax and with Percentile; dynamic per-channel where the
-    graph is MatMul-heavy. Types and symmetry follow the config."""
-    base = QuantSpec(
-        mode="static",
-        per_channel=True,
-        activation_type=cfg.activation_type,
-        weight_type=cfg.weight_type,
-        activation_symmetric=cfg.activation_symmetric,
-        weight_symmetric=cfg.weight_symmetric,
-        percentile=cfg.percentile,
+def candidate_specs(cfg: QuantizeConfig, prepared: Prepared, cpu: CpuInt8) -> list[QuantSpec]:
+    """Static per-channel with MinMax (and Percentile for the first format); dynamic per-channel
+    where the graph is MatMul-heavy; one of each for every format of :func:`cpu_formats`."""
+    specs: list[QuantSpec] = []
+    for i, (act, weight, reduce_range) in enumerate(cpu_formats(cfg, cpu)):
+        base = QuantSpec(
+            mode="static",
+            per_channel=True,
+            activation_type=act,
+            weight_type=weight,
+            activation_symmetric=cfg.activation_symmetric,
+            weight_symmetric=cfg.weight_symmetric,
+            percentile=cfg.percentile,
+            reduce_range=reduce_range,
+        )
+        specs.append(replace(base, calibration="minmax"))
+        if i == 0:
+            specs.append(replace(base, calibration="percentile"))
+        if prepared.matmul_heavy:
+            specs.append(replace(base, mode="dynamic", calibration="minmax"))
+    return sorted(specs, key=lambda sp: sp.mode == "dynamic")  # static first, as before
+
+
+Format = tuple[Literal["uint8", "int8"], Literal["int8", "uint8"], bool]
+
+
+def cpu_formats(cfg: QuantizeConfig, cpu: CpuInt8) -> list[Format]:
+    """(activation type, weight type, reduce_range) worth trying on ``cpu``.
+
+    ONNX Runtime runs U8S8 on x86 with VPMADDUBSW, whose 16-bit pair sums can saturate unless
+    the CPU has VNNI (AVX512-VNNI, AVX-VNNI, AMX). Its documentation recommends 7-bit weights
+    (``reduce_range``) for U8S8 there, or U8U8, which never saturates. With VNNI, on ARM, or
+    when the types or ``reduce_range`` are set explicitly in the recipe, the config's format
+    alone."""
+    own: Format = (cfg.activation_type, cfg.weight_type, cfg.reduce_range)
+    explicit = {"activation_type", "weight_type", "reduce_range"} & cfg.model_fields_set
+    if explicit or not cpu.u8s8_saturates:
+        return [own]
+    return [("uint8", "int8", True), ("uint8", "uint8", False)]
+
+
+def format_warnings(specs: Iterable[QuantSpec], cpu: CpuInt8) -> list[str]:
+    """Formats the user forced that ``cpu`` runs badly: the risk, named once per format. They
+    still run; the measured fidelity decides."""
+    if not cpu.u8s8_saturates:
+        return []
+    risks = dict.fromkeys(sp.saturation_risk for sp in specs if sp.saturation_risk)
+    return [f"{r} (this CPU: {cpu.describe()}); its measured fidelity decides" for r in risks]
+
+
+def has_embedding_tables(path: Path) -> bool:
+    """Whether the graph looks up a constant table: a fused EmbedLayerNormalization, or a Gather
+    whose data is an initializer (what ONNX Runtime's dynamic quantizer stores as INT8)."""
+    model = onnx.load(str(path), load_external_data=False)
+    consts = {t.name for t in model.graph.initializer}
+    return any(
+        n.op_type == "EmbedLayerNormalization" or (n.op_type == "Gather" and n.input[0] in consts)
+        for n in model.graph.node
     )
-    specs = [replace(base, calibration="minmax"), replace(base, calibration="percentile")]
-    if prepared.matmul_heavy:
-        specs.append(replace(base, mode="dynamic", calibration="minmax"))
-    return specs
 
 
 @dataclass
@@ -87,6 +148,10 @@ class Trial:
         if tag.startswith("-mixed"):
             return f"{self.spec.label}, {tag[6:]} nodes kept float"
         return self.spec.label + (", first/last layers INT8" if tag == "-edges-int8" else "")
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
 
     def p50(self) -> float:
         assert self.latency is not None
@@ -137,6 +202,10 @@ class Search:
         figures = self.ctx.compare([base, *[self.candidate(t) for t in trials]])
         for t in trials:
             t.latency, t.fp32 = figures[t.name]["latency_ms"], figures[base.name]["latency_ms"]
+
+    @property
+    def objective(self) -> str:
+        return self.ctx.recipe.budget.objective
 
     def faster(self, trial: Trial) -> bool:
         """Faster than FP32 for choosing among candidates: the median wins by ``min_gain`` and the
@@ -194,7 +263,7 @@ def search(
     in_budget = [t for t in s.trials if t.budget_ok]
     with s.timed("compare"):
         s.measure(in_budget or s.trials)
-    good = [t for t in in_budget if s.faster(t)]
+    good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
     if not good and s.cfg.mixed_precision:
         untimed = [t for t in s.trials if t.latency is None]
         if untimed:
@@ -209,12 +278,27 @@ def search(
     record: dict[str, Any] = {"fp32_latency_ms": next(t.fp32 for t in s.trials if t.fp32)}
     record["mixed_precision"] = s.mixed_trace
     if good:
-        chosen = min(good, key=lambda t: t.p50())
+        chosen = pick(good, s.objective, s.ctx.recipe.budget.min_gain)
     else:
         chosen = _best_effort(s)
         record["no_candidate_met_budget"] = _why_none(s)
     rejected = [t for t in s.trials if t is not chosen]
     return chosen, rejected, record
+
+
+def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
+    """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
+    Objective ``latency``: the fastest median; a candidate whose median lies within the fastest
+    one's band of per-round medians and within ``min_gain`` of it (less than a step must win to
+    count) is as fast as this run can tell, and the smallest of those wins (INT8 embedding
+    tables cost nothing measurable on an encoder and save most of its bytes)."""
+    if objective == "size":
+        return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
+    fastest = min(good, key=lambda t: t.p50())
+    assert fastest.latency is not None
+    limit = min(fastest.latency["band"][1], (1.0 + min_gain) * fastest.p50())
+    ties = [t for t in good if t.p50() <= limit]
+    return min(ties, key=lambda t: (t.size, t.p50()))
 
 
 def _best_effort(s: Search) -> Trial:
