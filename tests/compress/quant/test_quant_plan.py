@@ -2,14 +2,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from slimline.compress.quant.auto import candidates
-from slimline.compress.quant.config import QuantizeConfig
+from slimline.compress.quant.auto import Trial, candidates, format_warnings, pick
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import Prepared
+from slimline.cpu import CpuInt8
 from slimline.errors import RecipeError
 from slimline.recipe import recipe_from_dict
+
+VNNI = CpuInt8("x86_64", frozenset({"avx2", "avx512bw", "avx512_vnni"}))
+AVX2 = CpuInt8("x86_64", frozenset({"avx2"}))
+ARM = CpuInt8("aarch64", frozenset({"asimddp"}))
 
 NODES = ["/stem/Conv", "/l1/Conv", "/l2/Conv", "/l2/down/Conv", "/fc/Gemm"]
 
@@ -84,7 +90,7 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         tmp_path / "m.onnx", nodes, {n: n.split("_")[0].split("/")[-1] for n in nodes}, True, {}
     )
     plan = resolve_plan(nodes, {}, keep_first_last_float=True)
-    tries = candidates(QuantizeConfig(), bert, plan)
+    tries = candidates(QuantizeConfig(), bert, plan, VNNI)
     labels = [(spec.label, p.tag) for spec, p in tries]
     assert labels == [
         ("static QDQ U8S8 per-channel minmax", ""),
@@ -97,7 +103,7 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         "/l1/ffn/MatMul",
     ]
     # an explicit rule is obeyed; a CNN gets no dynamic candidate
-    assert len(candidates(QuantizeConfig(keep_first_last_float=True), bert, plan)) == 3
+    assert len(candidates(QuantizeConfig(keep_first_last_float=True), bert, plan, VNNI)) == 3
     cnn = Prepared(
         tmp_path / "c.onnx",
         ["/a/Conv", "/b/Conv", "/fc/Gemm"],
@@ -105,9 +111,107 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         False,
         {},
     )
-    cnn_tries = candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True))
+    cnn_tries = candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True), VNNI)
     assert [(s.label, p.tag) for s, p in cnn_tries] == [
         ("static QDQ U8S8 per-channel minmax", ""),
         ("static QDQ U8S8 per-channel percentile 99.99", ""),
         ("static QDQ U8S8 per-channel minmax", "-edges-int8"),
     ]
+
+
+def _bert(tmp_path: Path) -> tuple[Prepared, list[str]]:
+    nodes = ["Attention_0", "/l0/ffn/MatMul", "Attention_1", "/l1/ffn/MatMul"]
+    ops = {n: n.split("_")[0].split("/")[-1] for n in nodes}
+    return Prepared(tmp_path / "m.onnx", nodes, ops, True, {}), nodes
+
+
+def test_without_vnni_u8s8_gets_reduce_range_and_u8u8_joins(tmp_path: Path) -> None:
+    bert, nodes = _bert(tmp_path)
+    plan = resolve_plan(nodes, {}, keep_first_last_float=True)
+    labels = [(s.label, p.tag) for s, p in candidates(QuantizeConfig(), bert, plan, AVX2)]
+    assert labels == [
+        ("static QDQ U8S8 per-channel reduce-range minmax", ""),
+        ("static QDQ U8S8 per-channel reduce-range percentile 99.99", ""),
+        ("static QDQ U8U8 per-channel minmax", ""),
+        ("dynamic S8 per-channel reduce-range", ""),
+        ("dynamic U8 per-channel", ""),
+        ("dynamic S8 per-channel reduce-range", "-edges-int8"),
+    ]
+    # VNNI and ARM accumulate in 32 bits: the config's format alone, full 8-bit weights
+    for cpu in (VNNI, ARM):
+        specs = [s for s, _ in candidates(QuantizeConfig(), bert, plan, cpu)]
+        assert {(s.activation_type, s.weight_type, s.reduce_range) for s in specs} == {
+            ("uint8", "int8", False)
+        }
+
+
+def test_a_format_set_in_the_recipe_is_kept_on_any_cpu(tmp_path: Path) -> None:
+    bert, nodes = _bert(tmp_path)
+    plan = resolve_plan(nodes, {}, keep_first_last_float=True)
+    for cfg in (QuantizeConfig(reduce_range=False), QuantizeConfig(weight_type="int8")):
+        specs = [s for s, _ in candidates(cfg, bert, plan, AVX2)]
+        assert {(s.weight_type, s.reduce_range) for s in specs} == {("int8", False)}
+        # it runs, with the risk named; the measured fidelity decides
+        (warning,) = format_warnings(specs, AVX2)
+        assert "reduce_range" in warning and "x86-avx2" in warning
+        assert format_warnings(specs, VNNI) == []
+    safe = [s for s, _ in candidates(QuantizeConfig(), bert, plan, AVX2)]
+    assert format_warnings(safe, AVX2) == []
+
+
+def _embedding_graph(path: Path) -> None:
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.zeros((50, 8), np.float32), "table")
+    w = numpy_helper.from_array(np.zeros((8, 8), np.float32), "w")
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["e"], name="emb"),
+        helper.make_node("MatMul", ["e", "w"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        [table, w],
+    )
+    save(helper.make_model(graph), str(path))
+
+
+def test_a_graph_with_an_embedding_table_also_tries_it_in_int8(tmp_path: Path) -> None:
+    _embedding_graph(tmp_path / "e.onnx")
+    prep = Prepared(tmp_path / "e.onnx", ["mm"], {"mm": "MatMul"}, True, {"Gather": 1, "MatMul": 1})
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    tries = candidates(QuantizeConfig(), prep, plan, VNNI)
+    emb = [s for s, _ in tries if s.embeddings]
+    assert [s.label for s in emb] == ["dynamic S8 per-channel +embeddings"]
+    assert len(candidates(QuantizeConfig(quantize_embeddings=False), prep, plan, VNNI)) == 3
+    # a Gather over a computed tensor is no table: nothing to add
+    shape_only = Prepared(tmp_path / "m.onnx", ["mm"], {"mm": "MatMul"}, True, {"MatMul": 1})
+    assert not any(s.embeddings for s, _ in candidates(QuantizeConfig(), shape_only, plan, VNNI))
+
+
+def _trial(tmp_path: Path, name: str, size: int, p50: float, band: float) -> Trial:
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(b"\0" * size)
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    t = Trial(QuantSpec("dynamic"), plan, path, {"summary": ""})
+    t.latency = {"p50": p50, "band": [p50 - band, p50 + band]}
+    return t
+
+
+def test_objective_size_picks_the_smallest_within_budget(tmp_path: Path) -> None:
+    big_fast = _trial(tmp_path, "a", 600, 5.0, 0.1)
+    small_slow = _trial(tmp_path, "b", 200, 8.0, 0.1)
+    assert pick([big_fast, small_slow], "size", 0.03) is small_slow
+    assert pick([big_fast, small_slow], "latency", 0.03) is big_fast
+
+
+def test_latency_ties_within_the_fastest_band_go_to_the_smaller_file(tmp_path: Path) -> None:
+    fastest = _trial(tmp_path, "a", 600, 5.0, 0.2)
+    as_fast = _trial(tmp_path, "b", 200, 5.1, 0.2)  # inside the fastest's band, 2% slower
+    assert pick([fastest, as_fast], "latency", 0.03) is as_fast
+    # a wide band is no licence: more than min_gain slower is slower
+    noisy = _trial(tmp_path, "c", 600, 5.0, 2.0)
+    slower = _trial(tmp_path, "d", 200, 5.5, 0.1)
+    assert pick([noisy, slower], "latency", 0.03) is noisy

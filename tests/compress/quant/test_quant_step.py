@@ -188,7 +188,7 @@ def test_manual_dynamic_mode_on_a_transformer(encoder_onnx: Path, tmp_path: Path
         _input(encoder_onnx),
         ctx,
     )
-    assert out.meta["label"] == "dynamic S8 per-channel"
+    assert out.meta["label"] == "dynamic S8 per-channel +embeddings"  # the default
     assert out.meta["kernels"]["kernels"].get("QAttention") == 2
     assert out.meta["prepared"]["transformer"] is True
     assert out.measurement is not None and out.measurement["fidelity"]["cosine_mean"] > 0.95

@@ -33,6 +33,7 @@ __all__ = [
     "cpu_formats",
     "format_warnings",
     "has_embedding_tables",
+    "pick",
     "search",
 ]
 
@@ -57,7 +58,7 @@ def candidates(
     if edges and "keep_first_last_float" not in cfg.model_fields_set:
         fast_plan = plan.with_int8(edges, EDGES_INT8)
         out.append((fast, fast_plan))
-    if fast.mode == "dynamic" and cfg.quantize_embeddings and has_embedding_tables(prepared.path):
+    if fast.mode == "dynamic" and cfg.quantize_embeddings and has_embedding_tables(prepared):
         out.append((replace(fast, embeddings=True), fast_plan))
     return out
 
@@ -104,18 +105,24 @@ def cpu_formats(cfg: QuantizeConfig, cpu: CpuInt8) -> list[Format]:
 
 
 def format_warnings(specs: Iterable[QuantSpec], cpu: CpuInt8) -> list[str]:
-    """Formats the user forced that ``cpu`` runs badly: the risk, named once per format. They
-    still run; the measured fidelity decides."""
-    if not cpu.u8s8_saturates:
+    """The formats the user forced that ``cpu`` runs badly, with the risk named. They still
+    run; the measured fidelity decides."""
+    risky = list(dict.fromkeys(sp.label for sp in specs if sp.saturates_without_vnni))
+    if not cpu.u8s8_saturates or not risky:
         return []
-    risks = dict.fromkeys(sp.saturation_risk for sp in specs if sp.saturation_risk)
-    return [f"{r} (this CPU: {cpu.describe()}); its measured fidelity decides" for r in risks]
+    return [
+        f"{'; '.join(risky)}: U8S8 with 8-bit weights can saturate 16-bit sums on this CPU "
+        f"({cpu.describe()}, no VNNI); ONNX Runtime recommends reduce_range: true or U8U8 "
+        "(weight_type: uint8) there; running it anyway, its measured fidelity decides"
+    ]
 
 
-def has_embedding_tables(path: Path) -> bool:
+def has_embedding_tables(prepared: Prepared) -> bool:
     """Whether the graph looks up a constant table: a fused EmbedLayerNormalization, or a Gather
     whose data is an initializer (what ONNX Runtime's dynamic quantizer stores as INT8)."""
-    model = onnx.load(str(path), load_external_data=False)
+    if not (prepared.ops.get("EmbedLayerNormalization") or prepared.ops.get("Gather")):
+        return False
+    model = onnx.load(str(prepared.path), load_external_data=False)
     consts = {t.name for t in model.graph.initializer}
     return any(
         n.op_type == "EmbedLayerNormalization" or (n.op_type == "Gather" and n.input[0] in consts)

@@ -102,14 +102,11 @@ class QuantSpec:
         return f"static QDQ {a}{w} {gran}{rr} {cal}"
 
     @property
-    def saturation_risk(self) -> str:
-        """Why this format runs badly on x86 without VNNI, or "" when it does not."""
-        if self.activation_type == "uint8" and self.weight_type == "int8" and not self.reduce_range:
-            return (
-                f"{self.label}: U8S8 with 8-bit weights can saturate 16-bit sums on x86 without "
-                "VNNI (VPMADDUBSW); ONNX Runtime recommends reduce_range: true or U8U8 there"
-            )
-        return ""
+    def saturates_without_vnni(self) -> bool:
+        """U8S8 with full 8-bit weights: x86 without VNNI adds its products in 16 bits
+        (VPMADDUBSW), which can saturate; 7-bit weights (``reduce_range``) or U8U8 cannot."""
+        u8s8 = self.activation_type == "uint8" and self.weight_type == "int8"
+        return u8s8 and not self.reduce_range
 
     @property
     def slug(self) -> str:
