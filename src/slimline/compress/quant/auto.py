@@ -295,17 +295,17 @@ def search(
 
 def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
     """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
-    Objective ``latency``: the fastest median; a candidate whose median lies within the fastest
-    one's band of per-round medians and within ``min_gain`` of it (less than a step must win to
-    count) is as fast as this run can tell, and the smallest of those wins (INT8 embedding
-    tables cost nothing measurable on an encoder and save most of its bytes)."""
+    Objective ``latency``: the fastest median, unless a file at least ``min_gain`` smaller runs
+    as fast as this run can tell (its median within the fastest one's band of per-round medians
+    and within ``min_gain`` of it): then the smallest such file. INT8 embedding tables cost an
+    encoder nothing measurable and save most of its bytes."""
     if objective == "size":
         return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
     fastest = min(good, key=lambda t: t.p50())
     assert fastest.latency is not None
     limit = min(fastest.latency["band"][1], (1.0 + min_gain) * fastest.p50())
-    ties = [t for t in good if t.p50() <= limit]
-    return min(ties, key=lambda t: (t.size, t.p50()))
+    smaller = [t for t in good if t.p50() <= limit and t.size <= (1.0 - min_gain) * fastest.size]
+    return min(smaller, key=lambda t: (t.size, t.p50())) if smaller else fastest
 
 
 def _best_effort(s: Search) -> Trial:
