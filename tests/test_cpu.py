@@ -64,3 +64,15 @@ def test_unreadable_features_are_unknown_not_absent() -> None:
 def test_the_manifest_records_this_machine() -> None:
     int8 = hardware()["int8"]
     assert int8 == detect().to_dict() and int8["kind"] == detect().kind
+
+
+def test_the_summary_names_the_cpu_kind_or_says_it_is_unknown() -> None:
+    from slimline.report.html import hardware_line
+
+    new = {
+        "hardware": {"cpu": "Xeon", "cores": 2, "int8": _parse("avx2.txt").to_dict()},
+        "target": {"threads": 2},
+    }
+    assert hardware_line(new) == "Xeon, x86-avx2 (avx2), 2 cores, 2 threads"
+    old = {"hardware": {"cpu": "Xeon", "cores": 2, "flags": ["avx2", "fma"]}, "target": {}}
+    assert "INT8 features not recorded (flags: avx2, fma)" in hardware_line(old)
