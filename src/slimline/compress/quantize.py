@@ -238,6 +238,12 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
             f"faster than FP32 and within budget, but slower than {chosen.name}: "
             f"{s.ratio(t):.2f}x vs {s.ratio(chosen):.2f}x FP32 latency"
         )
+        if chosen.latency and chosen.p50() >= t.p50():  # the tie-break or the size objective
+            reason = (
+                f"within budget, but {chosen.name} is smaller ({chosen.size / 1e6:.1f} vs "
+                f"{t.size / 1e6:.1f} MB) at {s.ratio(chosen):.2f}x vs {s.ratio(t):.2f}x FP32 "
+                f"latency (objective: {s.objective})"
+            )
     return Candidate(
         name=t.name,
         step="quantize",
