@@ -26,6 +26,7 @@ from .quant.auto import (
     Trial,
     candidates,
     describe,
+    forced,
     format_warnings,
     layerwise_for,
     mixed_precision,
@@ -130,11 +131,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         prepared.notes.insert(0, note)
     t_prep = time.perf_counter() - t0
     plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
-    tries = (
-        candidates(cfg, prepared, plan)
-        if cfg.mode == "auto"
-        else [(QuantSpec.from_config(cfg), plan)]
-    )
+    tries = candidates(cfg, prepared, plan) if cfg.mode == "auto" else forced(cfg, prepared, plan)
     for risk in format_warnings((sp for sp, _ in tries), detect_cpu()):
         ctx.warn(f"quantize: {risk}")
     methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slimline.compress.quant.auto import Trial, candidates, format_warnings, pick
+from slimline.compress.quant.auto import Trial, candidates, forced, format_warnings, pick
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import Prepared
@@ -215,3 +215,15 @@ def test_latency_ties_within_the_fastest_band_go_to_the_smaller_file(tmp_path: P
     noisy = _trial(tmp_path, "c", 600, 5.0, 2.0)
     slower = _trial(tmp_path, "d", 200, 5.5, 0.1)
     assert pick([noisy, slower], "latency", 0.03) is noisy
+
+
+def test_forced_dynamic_mode_quantizes_tables_only_where_there_are_some(tmp_path: Path) -> None:
+    _embedding_graph(tmp_path / "e.onnx")
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    cfg = QuantizeConfig(mode="dynamic")
+    tables = Prepared(tmp_path / "e.onnx", ["mm"], {"mm": "MatMul"}, True, {"Gather": 1})
+    none = Prepared(tmp_path / "m.onnx", ["mm"], {"mm": "MatMul"}, True, {"MatMul": 1})
+    assert [s.embeddings for s, _ in forced(cfg, tables, plan)] == [True]
+    assert [s.embeddings for s, _ in forced(cfg, none, plan)] == [False]
+    off = QuantizeConfig(mode="dynamic", quantize_embeddings=False)
+    assert [s.embeddings for s, _ in forced(off, tables, plan)] == [False]

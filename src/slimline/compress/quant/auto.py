@@ -31,6 +31,7 @@ __all__ = [
     "candidate_specs",
     "candidates",
     "cpu_formats",
+    "forced",
     "format_warnings",
     "has_embedding_tables",
     "pick",
@@ -61,6 +62,16 @@ def candidates(
     if fast.mode == "dynamic" and cfg.quantize_embeddings and has_embedding_tables(prepared):
         out.append((replace(fast, embeddings=True), fast_plan))
     return out
+
+
+def forced(
+    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
+) -> list[tuple[QuantSpec, PrecisionPlan]]:
+    """The one setting of ``mode: static|dynamic``; tables in INT8 only where the graph has any."""
+    spec = QuantSpec.from_config(cfg)
+    if spec.embeddings and not has_embedding_tables(prepared):
+        spec = replace(spec, embeddings=False)
+    return [(spec, plan)]
 
 
 def candidate_specs(cfg: QuantizeConfig, prepared: Prepared, cpu: CpuInt8) -> list[QuantSpec]:
