@@ -178,15 +178,18 @@ def _embedding_graph(path: Path) -> None:
     save(helper.make_model(graph), str(path))
 
 
-def test_a_graph_with_an_embedding_table_also_tries_it_in_int8(tmp_path: Path) -> None:
+def test_dynamic_candidates_store_embedding_tables_in_int8(tmp_path: Path) -> None:
     _embedding_graph(tmp_path / "e.onnx")
     prep = Prepared(tmp_path / "e.onnx", ["mm"], {"mm": "MatMul"}, True, {"Gather": 1, "MatMul": 1})
     plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
     tries = candidates(QuantizeConfig(), prep, plan, VNNI)
-    emb = [s for s, _ in tries if s.embeddings]
-    assert [s.label for s in emb] == ["dynamic S8 per-channel +embeddings"]
-    assert len(candidates(QuantizeConfig(quantize_embeddings=False), prep, plan, VNNI)) == 3
-    # a Gather over a computed tensor is no table: nothing to add
+    assert [s.label for s, _ in tries if s.mode == "dynamic"] == [
+        "dynamic S8 per-channel +embeddings"
+    ]
+    assert not any(s.embeddings for s, _ in tries if s.mode == "static")
+    off = candidates(QuantizeConfig(quantize_embeddings=False), prep, plan, VNNI)
+    assert not any(s.embeddings for s, _ in off)
+    # a Gather over a computed tensor is no table: nothing to store in INT8
     shape_only = Prepared(tmp_path / "m.onnx", ["mm"], {"mm": "MatMul"}, True, {"MatMul": 1})
     assert not any(s.embeddings for s, _ in candidates(QuantizeConfig(), shape_only, plan, VNNI))
 

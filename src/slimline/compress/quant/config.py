@@ -42,7 +42,7 @@ class QuantizeConfig(StepConfig):
         False, description="7-bit weights: avoids U8S8 saturation on x86 without VNNI"
     )
     quantize_embeddings: bool = Field(
-        True, description="dynamic mode: INT8 embedding tables (Gather, EmbedLayerNormalization)"
+        True, description="dynamic candidates store embedding tables (Gather, EmbedLayerNorm) INT8"
     )
     samples: int = Field(512, ge=1, le=100_000, description="calibration samples")
     precision: dict[str, Precision] = Field(default_factory=dict)
