@@ -194,30 +194,37 @@ def test_dynamic_candidates_store_embedding_tables_in_int8(tmp_path: Path) -> No
     assert not any(s.embeddings for s, _ in candidates(QuantizeConfig(), shape_only, plan, VNNI))
 
 
-def _trial(tmp_path: Path, name: str, size: int, p50: float, band: float) -> Trial:
+def _trial(tmp_path: Path, name: str, size: int, rounds: list[float]) -> Trial:
     path = tmp_path / f"{name}.onnx"
     path.write_bytes(b"\0" * size)
     plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
     t = Trial(QuantSpec("dynamic"), plan, path, {"summary": ""})
-    t.latency = {"p50": p50, "band": [p50 - band, p50 + band]}
+    t.latency = {
+        "p50": float(np.median(rounds)),
+        "band": [min(rounds), max(rounds)],
+        "per_round_p50": rounds,
+    }
     return t
 
 
 def test_objective_size_picks_the_smallest_within_budget(tmp_path: Path) -> None:
-    big_fast = _trial(tmp_path, "a", 600, 5.0, 0.1)
-    small_slow = _trial(tmp_path, "b", 200, 8.0, 0.1)
+    big_fast = _trial(tmp_path, "a", 600, [5.0, 5.1, 4.9, 5.0, 5.0])
+    small_slow = _trial(tmp_path, "b", 200, [8.0, 8.1, 7.9, 8.0, 8.0])
     assert pick([big_fast, small_slow], "size", 0.03) is small_slow
     assert pick([big_fast, small_slow], "latency", 0.03) is big_fast
 
 
-def test_latency_ties_within_the_fastest_band_go_to_the_smaller_file(tmp_path: Path) -> None:
-    fastest = _trial(tmp_path, "a", 600, 5.0, 0.2)
-    as_fast = _trial(tmp_path, "b", 200, 5.1, 0.2)  # inside the fastest's band, 2% slower
+def test_latency_ties_go_to_the_smaller_file(tmp_path: Path) -> None:
+    fastest = _trial(tmp_path, "a", 600, [5.0, 5.3, 4.8, 6.0, 5.1])
+    # slower at the median by 4%, but faster in two of five rounds: the run cannot tell
+    as_fast = _trial(tmp_path, "b", 200, [5.2, 5.2, 5.3, 5.5, 5.3])
     assert pick([fastest, as_fast], "latency", 0.03) is as_fast
-    # a wide band is no licence: more than min_gain slower is slower
-    noisy = _trial(tmp_path, "c", 600, 5.0, 2.0)
-    slower = _trial(tmp_path, "d", 200, 5.5, 0.1)
-    assert pick([noisy, slower], "latency", 0.03) is noisy
+    # slower by 10% in every round: slower, however small
+    slower = _trial(tmp_path, "c", 200, [r * 1.1 for r in [5.0, 5.3, 4.8, 6.0, 5.1]])
+    assert pick([fastest, slower], "latency", 0.03) is fastest
+    # a few bytes smaller is no reason to give up the fastest median
+    same_size = _trial(tmp_path, "d", 590, [5.2, 5.2, 5.3, 5.5, 5.3])
+    assert pick([fastest, same_size], "latency", 0.03) is fastest
 
 
 def test_forced_dynamic_mode_quantizes_tables_only_where_there_are_some(tmp_path: Path) -> None:

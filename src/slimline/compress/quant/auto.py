@@ -17,6 +17,7 @@ from ...candidate import Candidate
 from ...context import StepContext
 from ...cpu import CpuInt8
 from ...cpu import detect as detect_cpu
+from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
@@ -309,15 +310,20 @@ def search(
 def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
     """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
     Objective ``latency``: the fastest median, unless a file at least ``min_gain`` smaller runs
-    as fast as this run can tell (its median within the fastest one's band of per-round medians
-    and within ``min_gain`` of it): then the smallest such file. INT8 embedding tables cost an
-    encoder nothing measurable and save most of its bytes."""
+    as fast as this run can tell (the fastest one does not pass the pipeline's own speed test
+    against it: ``min_gain`` faster at the median of per-round ratios, confirmed by separated
+    bands or the sign test over the interleaved rounds): then the smallest such file."""
     if objective == "size":
         return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
     fastest = min(good, key=lambda t: t.p50())
-    assert fastest.latency is not None
-    limit = min(fastest.latency["band"][1], (1.0 + min_gain) * fastest.p50())
-    smaller = [t for t in good if t.p50() <= limit and t.size <= (1.0 - min_gain) * fastest.size]
+    best = fastest.latency
+    assert best is not None
+
+    def as_fast(t: Trial) -> bool:
+        assert t.latency is not None
+        return speed_verdict(t.latency, best, min_gain)[0] != "faster"
+
+    smaller = [t for t in good if t.size <= (1.0 - min_gain) * fastest.size and as_fast(t)]
     return min(smaller, key=lambda t: (t.size, t.p50())) if smaller else fastest
 
 
