@@ -94,11 +94,32 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_hardware(current: Any, baseline: Any, allow: bool) -> None:
+    """Latency compares only like targets: a different CPU, thread count or runtime is an error,
+    or with ``--allow-hardware-change`` a printed warning. What a manifest lacks is printed."""
+    from .errors import HardwareMismatchError
+    from .gate import hardware_differences
+
+    differs, unknown = hardware_differences(current, baseline)
+    for u in unknown:
+        print(f"note: not compared: {u}")
+    if not differs:
+        return
+    msg = f"the baseline ran on another target: {'; '.join(differs)}"
+    if not allow:
+        raise HardwareMismatchError(
+            f"{msg}; gate against a baseline from the same machine kind, or pass "
+            "--allow-hardware-change to compare anyway"
+        )
+    print(f"warning: {msg} (--allow-hardware-change: compared anyway)")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .gate import compare_manifests
     from .record import load_manifest
 
     current, baseline = load_manifest(args.run_dir), load_manifest(args.baseline)
+    _check_hardware(current, baseline, args.allow_hardware_change)
     regressions, notes = compare_manifests(
         current,
         baseline,
@@ -176,6 +197,11 @@ def register(sub: Any) -> None:
     p.add_argument("--baseline", required=True, help="baseline manifest.json (or run directory)")
     p.add_argument("--max-latency-regression", type=float, default=0.10)
     p.add_argument("--max-metric-drop", type=float, default=0.005)
+    p.add_argument(
+        "--allow-hardware-change",
+        action="store_true",
+        help="compare even when the CPU features, cores, threads or onnxruntime version differ",
+    )
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("examples", help="list the built-in example tasks and recipes")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .cache import StepCache
 from .candidate import Candidate
 from .config import StepConfig
+from .cpu import detect as detect_cpu
 from .paths import cache_dir
 from .recipe import Recipe
 from .record import data_hash, json_hash, package_versions
@@ -51,6 +52,8 @@ def step_key_parts(
         "input": input_hash,
         "task": task.source,
         "data": data,
+        # INT8 kernels, the candidate set and training numerics differ by CPU kind
+        "cpu": detect_cpu().kind,
     }
     if recipe is not None:
         parts["recipe"] = recipe.read(spec.reads)

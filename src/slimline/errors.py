@@ -24,6 +24,7 @@ __all__ = [
     "CandidateError",
     "DataError",
     "ExportError",
+    "HardwareMismatchError",
     "InputMismatchError",
     "LoadTestError",
     "ManifestError",
@@ -67,6 +68,10 @@ class DataError(SlimlineError):
 
 class ManifestError(SlimlineError):
     """A file given as a run manifest is not one, or has an unsupported schema."""
+
+
+class HardwareMismatchError(SlimlineError):
+    """Two manifests compared by the gate come from different CPUs, threads or runtimes."""
 
 
 class StepError(SlimlineError):

@@ -3,6 +3,10 @@
 A latency regression counts only when it exceeds both the tolerance (relative p50 increase) and
 the measured noise (the candidate's p50 band lies entirely above the baseline's band). A metric
 regression counts when the metric dropped by more than the allowed absolute drop.
+
+Latency compares only across like targets: :func:`hardware_differences` names what differs
+between the two manifests' CPUs (the INT8 features, which decide the kernels ONNX Runtime
+runs), core and thread counts, and ONNX Runtime versions.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Regression", "compare_manifests"]
+__all__ = ["Regression", "compare_manifests", "hardware_differences"]
 
 
 @dataclass
@@ -86,3 +90,54 @@ def compare_manifests(
                 f"{name}: p50 {b['latency_ms']['p50']:.3f} -> {c['latency_ms']['p50']:.3f} ms"
             )
     return regressions, notes
+
+
+def _int8_text(int8: dict[str, Any]) -> str:
+    present = [k for k, v in int8.items() if k != "kind" and v is True]
+    return f"{int8.get('kind')} ({', '.join(present) or 'no INT8 extensions'})"
+
+
+def _figures(m: dict[str, Any]) -> dict[str, Any]:
+    hw = m.get("hardware") or {}
+    return {
+        "CPU cores": hw.get("cores"),
+        "threads": (m.get("target") or {}).get("threads"),
+        "onnxruntime": (m.get("versions") or {}).get("onnxruntime"),
+    }
+
+
+def _compare_int8(current: dict[str, Any], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The INT8 features when both manifests record them; otherwise the older, shorter ``flags``
+    list (AVX2, AVX512F, AVX512-VNNI, AMX), saying what could not be compared."""
+    chw, bhw = current.get("hardware") or {}, baseline.get("hardware") or {}
+    cv, bv = chw.get("int8"), bhw.get("int8")
+    if isinstance(cv, dict) and isinstance(bv, dict):
+        if cv != bv:
+            return [f"INT8 CPU features {_int8_text(cv)} vs baseline {_int8_text(bv)}"], []
+        return [], []
+    older = "this run" if not isinstance(cv, dict) else "the baseline"
+    cflags, bflags = chw.get("flags"), bhw.get("flags")
+    if cflags is None or bflags is None:
+        return [], [f"CPU features (not recorded in {older})"]
+    unknown = [f"AVX512BW and AVX-VNNI (not recorded in {older}; its CPU flags list was compared)"]
+    if sorted(cflags) != sorted(bflags):
+        return [
+            f"CPU flags {', '.join(cflags) or '-'} vs baseline {', '.join(bflags) or '-'}"
+        ], unknown
+    return [], unknown
+
+
+def hardware_differences(
+    current: dict[str, Any], baseline: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(what differs, what one of the manifests does not record) between two runs' targets."""
+    differs, unknown = _compare_int8(current, baseline)
+    cur, base = _figures(current), _figures(baseline)
+    for name, c in cur.items():
+        b = base[name]
+        if c is None or b is None:
+            side = "this run" if c is None else "the baseline"
+            unknown.append(f"{name} (not recorded in {side})")
+        elif c != b:
+            differs.append(f"{name} {c} vs baseline {b}")
+    return differs, unknown

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .cpu import detect as detect_cpu
 from .errors import ManifestError
 
 __all__ = [
@@ -188,6 +189,7 @@ def hardware() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "machine": platform.machine(),
         "flags": sorted(f for f in _CPU_FLAGS if f in flags),
+        "int8": detect_cpu().to_dict(),
     }
 
 

@@ -59,6 +59,8 @@ def test_mnist_reaches_97_percent_on_held_out_digits(mnist_model: torch.nn.Modul
         for inputs, lab in mnist.eval_data():
             outs.append(mnist_model(torch.from_numpy(inputs["x"])).numpy())
             labels.append(lab)
+    # the example's claim (not a measured value): the trained model scores 0.982 on this
+    # machine, which leaves 1.2 points for another CPU's training numerics
     assert mnist.metric(np.concatenate(outs), np.concatenate(labels)) >= 0.97
 
 

@@ -18,6 +18,7 @@ import onnx
 
 from ..candidate import Candidate, quantizable_graph
 from ..context import StepContext
+from ..cpu import detect as detect_cpu
 from ..errors import error_text, is_user_error
 from ..steps import Contract, step
 from ..task import Inputs
@@ -27,6 +28,8 @@ from .quant.auto import (
     all_failed,
     candidates,
     describe,
+    forced,
+    format_warnings,
     layerwise_for,
     mixed_precision,
     search,
@@ -138,11 +141,9 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         prepared.notes.insert(0, note)
     t_prep = time.perf_counter() - t0
     plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
-    tries = (
-        candidates(cfg, prepared, plan)
-        if cfg.mode == "auto"
-        else [(QuantSpec.from_config(cfg), plan)]
-    )
+    tries = candidates(cfg, prepared, plan) if cfg.mode == "auto" else forced(cfg, prepared, plan)
+    for risk in format_warnings((sp for sp, _ in tries), detect_cpu()):
+        ctx.warn(f"quantize: {risk}")
     methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
     calib = _calibrate(cfg, prepared, methods, ctx)
     dist = analyse(calib, weight_stats(prepared.path, plan.int8_nodes))
@@ -247,6 +248,7 @@ def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
         "fidelity": t.quality.fidelity_dict() if t.quality else None,
         "metric": t.quality.metric if t.quality else None,
         "failure": t.failure,
+        "size_bytes": t.size if t.path.is_file() else None,  # a failed trial has no file
     }
 
 
@@ -259,6 +261,12 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
             f"faster than FP32 and within budget, but slower than {chosen.name}: "
             f"{s.ratio(t):.2f}x vs {s.ratio(chosen):.2f}x FP32 latency"
         )
+        if chosen.latency and chosen.p50() >= t.p50():  # the tie-break or the size objective
+            reason = (
+                f"within budget, but {chosen.name} is smaller ({chosen.size / 1e6:.1f} vs "
+                f"{t.size / 1e6:.1f} MB) at {s.ratio(chosen):.2f}x vs {s.ratio(t):.2f}x FP32 "
+                f"latency (objective: {s.objective})"
+            )
     return Candidate(
         name=t.name,
         step="quantize",

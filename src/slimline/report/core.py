@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from . import section
-from .html import fmt, summary_rows, table
+from .html import fmt, hardware_line, summary_rows, table
 from .plots import figure, png_img
 
 
 @section(0, "Run")
 def run_facts(m: dict[str, Any], run_dir: Path) -> str:
-    hw, v = m.get("hardware", {}), m.get("versions", {})
+    v = m.get("versions", {})
     rows: list[list[Any]] = [
         ["status", m.get("status")],
         ["task", f"{m['task']['name']} ({m['task']['source']})"],
@@ -23,7 +23,7 @@ def run_facts(m: dict[str, Any], run_dir: Path) -> str:
         ["selected", m.get("selected")],
         ["target", f"{m['target']['runtime']}, {m['target']['threads']} threads"],
         ["budget", ", ".join(f"{k}={v}" for k, v in (m["recipe"].get("budget") or {}).items())],
-        ["hardware", f"{hw.get('cpu')} x{hw.get('cores')} ({', '.join(hw.get('flags', []))})"],
+        ["hardware", hardware_line(m)],
         ["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
         ["created", m.get("created")],
         ["wall time", f"{m.get('wall_seconds')} s"],

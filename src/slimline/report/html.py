@@ -113,6 +113,19 @@ def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     return headers, rows
 
 
+def hardware_line(manifest: dict[str, Any]) -> str:
+    """The target the figures hold for: CPU, its INT8 kind and features, cores and threads."""
+    hw = manifest.get("hardware") or {}
+    int8 = hw.get("int8")
+    if isinstance(int8, dict):
+        present = [k for k, v in int8.items() if k != "kind" and v is True]
+        kind = f"{int8.get('kind')} ({', '.join(present) or 'no INT8 extensions'})"
+    else:
+        kind = f"INT8 features not recorded (flags: {', '.join(hw.get('flags') or []) or '-'})"
+    threads = (manifest.get("target") or {}).get("threads")
+    return f"{hw.get('cpu')}, {kind}, {hw.get('cores')} cores, {threads} threads"
+
+
 def summary_table(manifest: dict[str, Any]) -> str:
     """The candidate summary as fixed-width text, for the terminal."""
     headers, rows = summary_rows(manifest)
@@ -128,6 +141,7 @@ def summary_table(manifest: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     sel = manifest.get("selected")
     lines.append(f"selected: {sel}   status: {manifest.get('status')}")
+    lines.append(f"measured on: {hardware_line(manifest)}")
     return "\n".join(lines)
 
 

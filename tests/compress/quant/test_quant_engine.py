@@ -16,6 +16,7 @@ from slimline.compress.quant.fallback import fallback_warning, kernel_report
 from slimline.compress.quant.layerwise import error_statement, layer_errors
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import prepare
+from slimline.cpu import detect as detect_cpu
 from slimline.errors import StepError
 from slimline.measure.quality import fidelity
 from slimline.measure.runners import ort_session
@@ -35,6 +36,11 @@ def cnn(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type: igno
     return prepared, calib, out
 
 
+# U8S8 in the format this CPU runs without saturation: 7-bit weights on x86 without VNNI
+# (ONNX Runtime's advice), full 8-bit weights elsewhere. Fidelity bounds below then hold on any CPU.
+U8S8 = QuantSpec("static", reduce_range=detect_cpu().u8s8_saturates)
+
+
 def _outputs(path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return np.asarray(ort_session(path, 1).run(None, inputs)[0], np.float32)
 
@@ -49,9 +55,7 @@ def test_prepare_folds_batchnorm_and_lists_compute_nodes(cnn) -> None:  # type: 
 def test_u8s8_per_channel_runs_every_quantized_conv_as_an_integer_kernel(cnn) -> None:  # type: ignore[no-untyped-def]
     prepared, calib, out = cnn
     plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=True)
-    q = quantize_model(
-        prepared.path, out / "u8s8.onnx", QuantSpec("static"), plan.float_nodes, calib.caches
-    )
+    q = quantize_model(prepared.path, out / "u8s8.onnx", U8S8, plan.float_nodes, calib.caches)
     report = kernel_report(q)
     assert report["int8_kernels"] == len(plan.int8_nodes) == 3
     assert report["summary"] == "3 of 5 quantizable ops run INT8"
@@ -59,6 +63,8 @@ def test_u8s8_per_channel_runs_every_quantized_conv_as_an_integer_kernel(cnn) ->
     assert fallback_warning("u8s8", report) is None
     x = cnn_inputs(7, 8)
     fid = fidelity(_outputs(q, x), _outputs(prepared.path, x), logits=True)
+    # 0.99 is 20 dB of output SQNR; three per-channel INT8 convolutions (7-bit weights cost at
+    # most 6 dB each) leave a tiny CNN far above it: the bound catches a broken scale, not noise
     assert fid["cosine_mean"] > 0.99
 
 
@@ -78,9 +84,7 @@ def test_s8s8_fallback_is_detected_and_named(cnn) -> None:  # type: ignore[no-un
 def test_layerwise_error_is_high_sqnr_and_ranked(cnn) -> None:  # type: ignore[no-untyped-def]
     prepared, calib, out = cnn
     plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=True)
-    q = quantize_model(
-        prepared.path, out / "edges.onnx", QuantSpec("static"), plan.float_nodes, calib.caches
-    )
+    q = quantize_model(prepared.path, out / "edges.onnx", U8S8, plan.float_nodes, calib.caches)
     rows = layer_errors(prepared.path, q, plan.int8_nodes, batches(cnn_inputs, 1, 8, seed=30), 8)
     assert {r["node"] for r in rows} == set(plan.int8_nodes)
     assert all(
@@ -121,7 +125,8 @@ def test_dynamic_quantization_of_a_transformer(encoder_onnx: Path, tmp_path: Pat
     assert prepared.transformer and prepared.matmul_heavy
     assert prepared.ops["Attention"] == 2 and prepared.ops["SkipLayerNormalization"] == 4
     plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
-    q = quantize_model(prepared.path, tmp_path / "dyn.onnx", QuantSpec("dynamic"), [], None)
+    spec = QuantSpec("dynamic", reduce_range=detect_cpu().u8s8_saturates)
+    q = quantize_model(prepared.path, tmp_path / "dyn.onnx", spec, [], None)
     report = kernel_report(q)
     assert report["kernels"].get("QAttention") == 2 and report["fallback"] == [], report
     assert report["int8_kernels"] == report["compute_kernels"]
@@ -261,3 +266,24 @@ def test_head_counts_are_written_into_head_splitting_reshapes(tmp_path: Path) ->
     assert explicit_head_counts(model) == 0  # nothing left to rewrite
     # a width the head size does not divide is left alone
     assert explicit_head_counts(_head_split_model(width=36, head_size=8)) == 0
+
+
+def test_reduce_range_weights_and_int8_embedding_tables(encoder_onnx: Path, tmp_path: Path) -> None:
+    from onnx import numpy_helper
+
+    prepared = prepare(encoder_onnx, tmp_path, text_inputs(0, 1))
+    plain = quantize_model(prepared.path, tmp_path / "d.onnx", QuantSpec("dynamic"), [], None)
+    spec = QuantSpec("dynamic", reduce_range=True, embeddings=True)
+    small = quantize_model(prepared.path, tmp_path / "e.onnx", spec, [], None)
+    model = onnx.load(str(small))
+    # 7-bit weights: ONNX Runtime's reduced S8 range is [-64, 64]
+    int8 = [
+        numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.INT8
+    ]
+    assert int8 and max(int(np.abs(a).max()) for a in int8) <= 64
+    # the word table (100 x 64 floats) is stored in 8 bits: at least 3 bytes saved per entry
+    assert "QEmbedLayerNormalization" in {n.op_type for n in model.graph.node}
+    assert plain.stat().st_size - small.stat().st_size >= 3 * 100 * 64
+    x = text_inputs(5, 4)
+    fid = fidelity(_outputs(small, x), _outputs(encoder_onnx, x), logits=False)
+    assert fid["cosine_mean"] > 0.98  # the bound of the plain dynamic test above

@@ -2,14 +2,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from slimline.compress.quant.auto import candidates
-from slimline.compress.quant.config import QuantizeConfig
+from slimline.compress.quant.auto import Trial, candidates, forced, format_warnings, pick
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import Prepared
+from slimline.cpu import CpuInt8
 from slimline.errors import RecipeError
 from slimline.recipe import recipe_from_dict
+
+VNNI = CpuInt8("x86_64", frozenset({"avx2", "avx512bw", "avx512_vnni"}))
+AVX2 = CpuInt8("x86_64", frozenset({"avx2"}))
+ARM = CpuInt8("aarch64", frozenset({"asimddp"}))
 
 NODES = ["/stem/Conv", "/l1/Conv", "/l2/Conv", "/l2/down/Conv", "/fc/Gemm"]
 
@@ -84,7 +90,7 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         tmp_path / "m.onnx", nodes, {n: n.split("_")[0].split("/")[-1] for n in nodes}, True, {}
     )
     plan = resolve_plan(nodes, {}, keep_first_last_float=True)
-    tries = candidates(QuantizeConfig(), bert, plan)
+    tries = candidates(QuantizeConfig(), bert, plan, VNNI)
     labels = [(spec.label, p.tag) for spec, p in tries]
     assert labels == [
         ("static QDQ U8S8 per-channel minmax", ""),
@@ -97,7 +103,7 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         "/l1/ffn/MatMul",
     ]
     # an explicit rule is obeyed; a CNN gets no dynamic candidate
-    assert len(candidates(QuantizeConfig(keep_first_last_float=True), bert, plan)) == 3
+    assert len(candidates(QuantizeConfig(keep_first_last_float=True), bert, plan, VNNI)) == 3
     cnn = Prepared(
         tmp_path / "c.onnx",
         ["/a/Conv", "/b/Conv", "/fc/Gemm"],
@@ -105,9 +111,129 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
         False,
         {},
     )
-    cnn_tries = candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True))
+    cnn_tries = candidates(QuantizeConfig(), cnn, resolve_plan(cnn.compute_nodes, {}, True), VNNI)
     assert [(s.label, p.tag) for s, p in cnn_tries] == [
         ("static QDQ U8S8 per-channel minmax", ""),
         ("static QDQ U8S8 per-channel percentile 99.99", ""),
         ("static QDQ U8S8 per-channel minmax", "-edges-int8"),
     ]
+
+
+def _bert(tmp_path: Path) -> tuple[Prepared, list[str]]:
+    nodes = ["Attention_0", "/l0/ffn/MatMul", "Attention_1", "/l1/ffn/MatMul"]
+    ops = {n: n.split("_")[0].split("/")[-1] for n in nodes}
+    return Prepared(tmp_path / "m.onnx", nodes, ops, True, {}), nodes
+
+
+def test_without_vnni_u8s8_gets_reduce_range_and_u8u8_joins(tmp_path: Path) -> None:
+    bert, nodes = _bert(tmp_path)
+    plan = resolve_plan(nodes, {}, keep_first_last_float=True)
+    labels = [(s.label, p.tag) for s, p in candidates(QuantizeConfig(), bert, plan, AVX2)]
+    assert labels == [
+        ("static QDQ U8S8 per-channel reduce-range minmax", ""),
+        ("static QDQ U8S8 per-channel reduce-range percentile 99.99", ""),
+        ("static QDQ U8U8 per-channel minmax", ""),
+        ("dynamic S8 per-channel reduce-range", ""),
+        ("dynamic U8 per-channel", ""),
+        ("dynamic S8 per-channel reduce-range", "-edges-int8"),
+    ]
+    # VNNI and ARM accumulate in 32 bits: the config's format alone, full 8-bit weights
+    for cpu in (VNNI, ARM):
+        specs = [s for s, _ in candidates(QuantizeConfig(), bert, plan, cpu)]
+        assert {(s.activation_type, s.weight_type, s.reduce_range) for s in specs} == {
+            ("uint8", "int8", False)
+        }
+
+
+def test_a_format_set_in_the_recipe_is_kept_on_any_cpu(tmp_path: Path) -> None:
+    bert, nodes = _bert(tmp_path)
+    plan = resolve_plan(nodes, {}, keep_first_last_float=True)
+    for cfg in (QuantizeConfig(reduce_range=False), QuantizeConfig(weight_type="int8")):
+        specs = [s for s, _ in candidates(cfg, bert, plan, AVX2)]
+        assert {(s.weight_type, s.reduce_range) for s in specs} == {("int8", False)}
+        # it runs, with the risk named; the measured fidelity decides
+        (warning,) = format_warnings(specs, AVX2)
+        assert "reduce_range" in warning and "x86-avx2" in warning
+        assert format_warnings(specs, VNNI) == []
+    safe = [s for s, _ in candidates(QuantizeConfig(), bert, plan, AVX2)]
+    assert format_warnings(safe, AVX2) == []
+
+
+def _embedding_graph(path: Path) -> None:
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    table = numpy_helper.from_array(np.zeros((50, 8), np.float32), "table")
+    w = numpy_helper.from_array(np.zeros((8, 8), np.float32), "w")
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["e"], name="emb"),
+        helper.make_node("MatMul", ["e", "w"], ["y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        [table, w],
+    )
+    save(helper.make_model(graph), str(path))
+
+
+def test_dynamic_candidates_store_embedding_tables_in_int8(tmp_path: Path) -> None:
+    _embedding_graph(tmp_path / "e.onnx")
+    prep = Prepared(tmp_path / "e.onnx", ["mm"], {"mm": "MatMul"}, True, {"Gather": 1, "MatMul": 1})
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    tries = candidates(QuantizeConfig(), prep, plan, VNNI)
+    assert [s.label for s, _ in tries if s.mode == "dynamic"] == [
+        "dynamic S8 per-channel +embeddings"
+    ]
+    assert not any(s.embeddings for s, _ in tries if s.mode == "static")
+    off = candidates(QuantizeConfig(quantize_embeddings=False), prep, plan, VNNI)
+    assert not any(s.embeddings for s, _ in off)
+    # a Gather over a computed tensor is no table: nothing to store in INT8
+    shape_only = Prepared(tmp_path / "m.onnx", ["mm"], {"mm": "MatMul"}, True, {"MatMul": 1})
+    assert not any(s.embeddings for s, _ in candidates(QuantizeConfig(), shape_only, plan, VNNI))
+
+
+def _trial(tmp_path: Path, name: str, size: int, rounds: list[float]) -> Trial:
+    path = tmp_path / f"{name}.onnx"
+    path.write_bytes(b"\0" * size)
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    t = Trial(QuantSpec("dynamic"), plan, path, {"summary": ""})
+    t.latency = {
+        "p50": float(np.median(rounds)),
+        "band": [min(rounds), max(rounds)],
+        "per_round_p50": rounds,
+    }
+    return t
+
+
+def test_objective_size_picks_the_smallest_within_budget(tmp_path: Path) -> None:
+    big_fast = _trial(tmp_path, "a", 600, [5.0, 5.1, 4.9, 5.0, 5.0])
+    small_slow = _trial(tmp_path, "b", 200, [8.0, 8.1, 7.9, 8.0, 8.0])
+    assert pick([big_fast, small_slow], "size", 0.03) is small_slow
+    assert pick([big_fast, small_slow], "latency", 0.03) is big_fast
+
+
+def test_latency_ties_go_to_the_smaller_file(tmp_path: Path) -> None:
+    fastest = _trial(tmp_path, "a", 600, [5.0, 5.3, 4.8, 6.0, 5.1])
+    # slower at the median by 4%, but faster in two of five rounds: the run cannot tell
+    as_fast = _trial(tmp_path, "b", 200, [5.2, 5.2, 5.3, 5.5, 5.3])
+    assert pick([fastest, as_fast], "latency", 0.03) is as_fast
+    # slower by 10% in every round: slower, however small
+    slower = _trial(tmp_path, "c", 200, [r * 1.1 for r in [5.0, 5.3, 4.8, 6.0, 5.1]])
+    assert pick([fastest, slower], "latency", 0.03) is fastest
+    # a few bytes smaller is no reason to give up the fastest median
+    same_size = _trial(tmp_path, "d", 590, [5.2, 5.2, 5.3, 5.5, 5.3])
+    assert pick([fastest, same_size], "latency", 0.03) is fastest
+
+
+def test_forced_dynamic_mode_quantizes_tables_only_where_there_are_some(tmp_path: Path) -> None:
+    _embedding_graph(tmp_path / "e.onnx")
+    plan = resolve_plan(["mm"], {}, keep_first_last_float=False)
+    cfg = QuantizeConfig(mode="dynamic")
+    tables = Prepared(tmp_path / "e.onnx", ["mm"], {"mm": "MatMul"}, True, {"Gather": 1})
+    none = Prepared(tmp_path / "m.onnx", ["mm"], {"mm": "MatMul"}, True, {"MatMul": 1})
+    assert [s.embeddings for s, _ in forced(cfg, tables, plan)] == [True]
+    assert [s.embeddings for s, _ in forced(cfg, none, plan)] == [False]
+    off = QuantizeConfig(mode="dynamic", quantize_embeddings=False)
+    assert [s.embeddings for s, _ in forced(off, tables, plan)] == [False]

@@ -9,11 +9,16 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import onnx
 
 from ...candidate import Candidate
 from ...context import StepContext
+from ...cpu import CpuInt8
+from ...cpu import detect as detect_cpu
 from ...errors import StepError, error_text, is_user_error
+from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
 from ...task import Inputs
@@ -24,7 +29,18 @@ from .layerwise import error_statement, layer_errors
 from .plan import EDGES_FLOAT, EDGES_INT8, MIXED, PrecisionPlan
 from .prepare import Prepared
 
-__all__ = ["Trial", "all_failed", "candidate_specs", "candidates", "search"]
+__all__ = [
+    "Trial",
+    "all_failed",
+    "candidate_specs",
+    "candidates",
+    "cpu_formats",
+    "forced",
+    "format_warnings",
+    "has_embedding_tables",
+    "pick",
+    "search",
+]
 
 log = logging.getLogger("slimline.quantize")
 
@@ -40,38 +56,105 @@ NOT_BUILT: dict[str, Any] = {
 
 
 def candidates(
-    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
+    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan, cpu: CpuInt8 | None = None
 ) -> list[tuple[QuantSpec, PrecisionPlan]]:
-    """The specs of :func:`candidate_specs` with the resolved plan. When the first/last rule was
-    not set explicitly, the candidate that matters most for speed is also tried with those layers
-    in INT8 (the budget decides): the dynamic one on MatMul-heavy graphs (on an encoder the
-    "first and last layers" are an attention block and an FFN projection, a tenth of the
-    work), the static MinMax one otherwise (a CNN's stem convolution is its largest layer)."""
-    out = [(spec, plan) for spec in candidate_specs(cfg, prepared)]
+    """The specs of :func:`candidate_specs` for ``cpu`` (this machine by default) with the
+    resolved plan. When the first/last rule was not set explicitly, the candidate that matters
+    most for speed is also tried with those layers in INT8 (the budget decides): the dynamic one
+    on MatMul-heavy graphs (on an encoder the "first and last layers" are an attention block and
+    an FFN projection, a tenth of the work), the static MinMax one otherwise (a CNN's stem
+    convolution is its largest layer)."""
+    specs = candidate_specs(cfg, prepared, cpu or detect_cpu())
+    out = [(spec, plan) for spec in specs]
     edges = [n for n, r in plan.rule.items() if r == EDGES_FLOAT]
     if edges and "keep_first_last_float" not in cfg.model_fields_set:
         fast = "dynamic" if prepared.matmul_heavy else "static"
-        spec = next(sp for sp, _ in out if sp.mode == fast)
+        spec = next(sp for sp in specs if sp.mode == fast)
         out.append((spec, plan.with_int8(edges, EDGES_INT8)))
     return out
 
 
-def candidate_specs(cfg: QuantizeConfig, prepared: Prepared) -> list[QuantSpec]:
-    """Static U8S8 per-channel with MinMax and with Percentile; dynamic per-channel where the
-    graph is MatMul-heavy. Types and symmetry follow the config."""
-    base = QuantSpec(
-        mode="static",
-        per_channel=True,
-        activation_type=cfg.activation_type,
-        weight_type=cfg.weight_type,
-        activation_symmetric=cfg.activation_symmetric,
-        weight_symmetric=cfg.weight_symmetric,
-        percentile=cfg.percentile,
+def forced(
+    cfg: QuantizeConfig, prepared: Prepared, plan: PrecisionPlan
+) -> list[tuple[QuantSpec, PrecisionPlan]]:
+    """The one setting of ``mode: static|dynamic``; tables in INT8 only where the graph has any."""
+    spec = QuantSpec.from_config(cfg)
+    if spec.embeddings and not has_embedding_tables(prepared):
+        spec = replace(spec, embeddings=False)
+    return [(spec, plan)]
+
+
+def candidate_specs(cfg: QuantizeConfig, prepared: Prepared, cpu: CpuInt8) -> list[QuantSpec]:
+    """Static per-channel with MinMax (and Percentile for the first format); dynamic per-channel
+    where the graph is MatMul-heavy; one of each for every format of :func:`cpu_formats`.
+
+    Dynamic candidates store the graph's embedding tables in 8 bits too (``quantize_embeddings``,
+    the default): on all-MiniLM-L6-v2 that takes the file from 62 to 23 MB, and the table
+    lookup it changes is about 1% of the run time (ONNX Runtime's profile of the quantized
+    model), so it cannot cost measurable speed; its fidelity is measured like everything else."""
+    tables = cfg.quantize_embeddings and prepared.matmul_heavy and has_embedding_tables(prepared)
+    specs: list[QuantSpec] = []
+    for i, (act, weight, reduce_range) in enumerate(cpu_formats(cfg, cpu)):
+        base = QuantSpec(
+            mode="static",
+            per_channel=True,
+            activation_type=act,
+            weight_type=weight,
+            activation_symmetric=cfg.activation_symmetric,
+            weight_symmetric=cfg.weight_symmetric,
+            percentile=cfg.percentile,
+            reduce_range=reduce_range,
+        )
+        specs.append(replace(base, calibration="minmax"))
+        if i == 0:
+            specs.append(replace(base, calibration="percentile"))
+        if prepared.matmul_heavy:
+            specs.append(replace(base, mode="dynamic", calibration="minmax", embeddings=tables))
+    return sorted(specs, key=lambda sp: sp.mode == "dynamic")  # static first, as before
+
+
+Format = tuple[Literal["uint8", "int8"], Literal["int8", "uint8"], bool]
+
+
+def cpu_formats(cfg: QuantizeConfig, cpu: CpuInt8) -> list[Format]:
+    """(activation type, weight type, reduce_range) worth trying on ``cpu``.
+
+    ONNX Runtime runs U8S8 on x86 with VPMADDUBSW, whose 16-bit pair sums can saturate unless
+    the CPU has VNNI (AVX512-VNNI, AVX-VNNI, AMX). Its documentation recommends 7-bit weights
+    (``reduce_range``) for U8S8 there, or U8U8, which never saturates. With VNNI, on ARM, or
+    when the types or ``reduce_range`` are set explicitly in the recipe, the config's format
+    alone."""
+    own: Format = (cfg.activation_type, cfg.weight_type, cfg.reduce_range)
+    explicit = {"activation_type", "weight_type", "reduce_range"} & cfg.model_fields_set
+    if explicit or not cpu.u8s8_saturates:
+        return [own]
+    return [("uint8", "int8", True), ("uint8", "uint8", False)]
+
+
+def format_warnings(specs: Iterable[QuantSpec], cpu: CpuInt8) -> list[str]:
+    """The formats the user forced that ``cpu`` runs badly, with the risk named. They still
+    run; the measured fidelity decides."""
+    risky = list(dict.fromkeys(sp.label for sp in specs if sp.saturates_without_vnni))
+    if not cpu.u8s8_saturates or not risky:
+        return []
+    return [
+        f"{'; '.join(risky)}: U8S8 with 8-bit weights can saturate 16-bit sums on this CPU "
+        f"({cpu.describe()}, no VNNI); ONNX Runtime recommends reduce_range: true or U8U8 "
+        "(weight_type: uint8) there; running it anyway, its measured fidelity decides"
+    ]
+
+
+def has_embedding_tables(prepared: Prepared) -> bool:
+    """Whether the graph looks up a constant table: a fused EmbedLayerNormalization, or a Gather
+    whose data is an initializer (what ONNX Runtime's dynamic quantizer stores as INT8)."""
+    if not (prepared.ops.get("EmbedLayerNormalization") or prepared.ops.get("Gather")):
+        return False
+    model = onnx.load(str(prepared.path), load_external_data=False)
+    consts = {t.name for t in model.graph.initializer}
+    return any(
+        n.op_type == "EmbedLayerNormalization" or (n.op_type == "Gather" and n.input[0] in consts)
+        for n in model.graph.node
     )
-    specs = [replace(base, calibration="minmax"), replace(base, calibration="percentile")]
-    if prepared.matmul_heavy:
-        specs.append(replace(base, mode="dynamic", calibration="minmax"))
-    return specs
 
 
 @dataclass
@@ -100,6 +183,10 @@ class Trial:
         if tag.startswith("-mixed"):
             return f"{self.spec.label}, {tag[6:]} nodes kept float"
         return self.spec.label + (", first/last layers INT8" if tag == "-edges-int8" else "")
+
+    @property
+    def size(self) -> int:
+        return self.path.stat().st_size
 
     def p50(self) -> float:
         assert self.latency is not None
@@ -193,6 +280,10 @@ class Search:
         for t in trials:
             t.latency, t.fp32 = figures[t.name]["latency_ms"], figures[base.name]["latency_ms"]
 
+    @property
+    def objective(self) -> str:
+        return self.ctx.recipe.budget.objective
+
     def faster(self, trial: Trial) -> bool:
         """Faster than FP32 for choosing among candidates: the median wins by ``min_gain`` and the
         band of per-round medians sits lower at both ends (its best and its worst round beat
@@ -255,7 +346,7 @@ def search(
             s.measure([t for t in s.usable() if t.latency is None])
     if not any(t.latency for t in s.usable()):
         raise all_failed(s)
-    good = [t for t in in_budget if s.faster(t)]
+    good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
     if not good and s.cfg.mixed_precision:
         untimed = [t for t in s.usable() if t.latency is None]
         if untimed:
@@ -270,12 +361,32 @@ def search(
     record: dict[str, Any] = {"fp32_latency_ms": next((t.fp32 for t in s.trials if t.fp32), None)}
     record["mixed_precision"] = s.mixed_trace
     if good:
-        chosen = min(good, key=lambda t: t.p50())
+        chosen = pick(good, s.objective, s.ctx.recipe.budget.min_gain)
     else:
         chosen = _best_effort(s)
         record["no_candidate_met_budget"] = _why_none(s)
     rejected = [t for t in s.trials if t is not chosen]
     return chosen, rejected, record
+
+
+def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
+    """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
+    Objective ``latency``: the fastest median, unless a file at least ``min_gain`` smaller runs
+    as fast as this run can tell (the fastest one does not pass the pipeline's own speed test
+    against it: ``min_gain`` faster at the median of per-round ratios, confirmed by separated
+    bands or the sign test over the interleaved rounds): then the smallest such file."""
+    if objective == "size":
+        return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
+    fastest = min(good, key=lambda t: t.p50())
+    best = fastest.latency
+    assert best is not None
+
+    def as_fast(t: Trial) -> bool:
+        assert t.latency is not None
+        return speed_verdict(t.latency, best, min_gain)[0] != "faster"
+
+    smaller = [t for t in good if t.size <= (1.0 - min_gain) * fastest.size and as_fast(t)]
+    return min(smaller, key=lambda t: (t.size, t.p50())) if smaller else fastest
 
 
 def _best_effort(s: Search) -> Trial:

@@ -38,6 +38,12 @@ class QuantizeConfig(StepConfig):
     weight_type: Literal["int8", "uint8"] = "int8"
     activation_symmetric: bool = False
     weight_symmetric: bool = True
+    reduce_range: bool = Field(
+        False, description="7-bit weights: avoids U8S8 saturation on x86 without VNNI"
+    )
+    quantize_embeddings: bool = Field(
+        True, description="dynamic candidates store embedding tables (Gather, EmbedLayerNorm) INT8"
+    )
     samples: int = Field(512, ge=1, le=100_000, description="calibration samples")
     precision: dict[str, Precision] = Field(default_factory=dict)
     keep_first_last_float: bool = True
@@ -76,20 +82,31 @@ class QuantSpec:
     activation_symmetric: bool = False
     weight_symmetric: bool = True
     percentile: float = 99.99
+    reduce_range: bool = False  # 7-bit weights
+    embeddings: bool = False  # dynamic: also Gather / EmbedLayerNormalization tables in INT8
 
     @property
     def label(self) -> str:
         a = "U8" if self.activation_type == "uint8" else "S8"
         w = "S8" if self.weight_type == "int8" else "U8"
         gran = "per-channel" if self.per_channel else "per-tensor"
+        rr = " reduce-range" if self.reduce_range else ""
         if self.mode == "dynamic":
-            return f"dynamic {w} {gran}"
+            emb = " +embeddings" if self.embeddings else ""
+            return f"dynamic {w} {gran}{rr}{emb}"  # activations: U8, computed at run time
         cal = (
             self.calibration
             if self.calibration != "percentile"
             else f"percentile {self.percentile:g}"
         )
-        return f"static QDQ {a}{w} {gran} {cal}"
+        return f"static QDQ {a}{w} {gran}{rr} {cal}"
+
+    @property
+    def saturates_without_vnni(self) -> bool:
+        """U8S8 with full 8-bit weights: x86 without VNNI adds its products in 16 bits
+        (VPMADDUBSW), which can saturate; 7-bit weights (``reduce_range``) or U8U8 cannot."""
+        u8s8 = self.activation_type == "uint8" and self.weight_type == "int8"
+        return u8s8 and not self.reduce_range
 
     @property
     def slug(self) -> str:
@@ -110,4 +127,6 @@ class QuantSpec:
             activation_symmetric=cfg.activation_symmetric,
             weight_symmetric=cfg.weight_symmetric,
             percentile=cfg.percentile,
+            reduce_range=cfg.reduce_range,
+            embeddings=cfg.mode == "dynamic" and cfg.quantize_embeddings,
         )

@@ -12,10 +12,13 @@ from ...record import atomic_write_bytes
 from .config import QuantSpec
 from .prepare import QDQ_MIN_OPSET, default_opset, quiet
 
-__all__ = ["DYNAMIC_OP_TYPES", "quantize_model"]
+__all__ = ["DYNAMIC_OP_TYPES", "EMBEDDING_OP_TYPES", "quantize_model"]
 
 # ConvInteger is slower than float Conv on x86; dynamic quantization is for MatMul-heavy graphs.
 DYNAMIC_OP_TYPES = ["MatMul", "Attention"]
+# Embedding tables: ONNX Runtime's integer-ops quantizer stores a Gather's constant table and a
+# fused EmbedLayerNormalization's word/position/segment tables as UINT8 (QEmbedLayerNormalization).
+EMBEDDING_OP_TYPES = ["Gather", "EmbedLayerNormalization"]
 
 
 def _qtype(name: str) -> object:
@@ -92,6 +95,7 @@ def _static(
         weight_type=_qtype(spec.weight_type),
         nodes_to_exclude=list(float_nodes),
         calibrate_method=method,
+        reduce_range=spec.reduce_range,
         extra_options=_extra(spec),
         calibration_cache_path=str(cache),
     )
@@ -103,8 +107,9 @@ def _dynamic(src: Path, out: Path, spec: QuantSpec, float_nodes: list[str]) -> N
     quantize_dynamic(
         str(src),
         str(out),
-        op_types_to_quantize=DYNAMIC_OP_TYPES,
+        op_types_to_quantize=DYNAMIC_OP_TYPES + (EMBEDDING_OP_TYPES if spec.embeddings else []),
         per_channel=spec.per_channel,
+        reduce_range=spec.reduce_range,
         weight_type=_qtype(spec.weight_type),
         nodes_to_exclude=list(float_nodes),
         extra_options={

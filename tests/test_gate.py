@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slimline.cli import main
+from slimline.gate import hardware_differences
+
+AMX = {
+    "avx2": True,
+    "avx512bw": True,
+    "avx512_vnni": True,
+    "avx_vnni": True,
+    "amx_int8": True,
+    "kind": "x86-amx-int8",
+}
+AVX2 = {**dict.fromkeys(AMX, False), "avx2": True, "kind": "x86-avx2"}
+
+
+def manifest(
+    int8: dict[str, Any] | None = AMX, cores: int = 2, threads: int = 2, ort: str = "1.32.0"
+) -> dict[str, Any]:
+    hw: dict[str, Any] = {"cpu": "x", "cores": cores, "flags": ["avx2"]}
+    if int8 is not None:
+        hw["int8"] = int8
+    return {
+        "schema": 1,
+        "hardware": hw,
+        "target": {"threads": threads},
+        "versions": {"onnxruntime": ort},
+        "candidates": [
+            {
+                "name": "fp32-onnx",
+                "latency_ms": {"p50": 1.0, "band": [0.98, 1.02]},
+                "metric": {"name": "m", "value": 1.0},
+            }
+        ],
+    }
+
+
+def _write(tmp_path: Path, name: str, m: dict[str, Any]) -> str:
+    (tmp_path / name).write_text(json.dumps(m))
+    return str(tmp_path / name)
+
+
+def test_like_targets_compare_cleanly() -> None:
+    assert hardware_differences(manifest(), manifest()) == ([], [])
+
+
+def test_each_kind_of_difference_is_named() -> None:
+    differs, _ = hardware_differences(manifest(AVX2, cores=4, threads=4, ort="1.20.0"), manifest())
+    assert differs == [
+        "INT8 CPU features x86-avx2 (avx2) vs baseline x86-amx-int8 "
+        "(avx2, avx512bw, avx512_vnni, avx_vnni, amx_int8)",
+        "CPU cores 4 vs baseline 2",
+        "threads 4 vs baseline 2",
+        "onnxruntime 1.20.0 vs baseline 1.32.0",
+    ]
+
+
+def test_a_baseline_from_another_cpu_is_an_error_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _write(tmp_path, "run.json", manifest(AVX2))
+    base = _write(tmp_path, "base.json", manifest())
+    assert main(["check", run, "--baseline", base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "x86-avx2" in err and "x86-amx-int8" in err and "--allow-hardware-change" in err
+
+
+def test_the_flag_turns_the_mismatch_into_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _write(tmp_path, "run.json", manifest(AVX2, threads=4))
+    base = _write(tmp_path, "base.json", manifest())
+    assert main(["check", run, "--baseline", base, "--allow-hardware-change"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the baseline ran on another target" in out and "threads 4" in out
+
+
+def test_an_old_baseline_says_what_it_does_not_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = manifest(int8=None)
+    del old["versions"]
+    run = _write(tmp_path, "run.json", manifest())
+    base = _write(tmp_path, "base.json", old)
+    assert main(["check", run, "--baseline", base]) == 0
+    out = capsys.readouterr().out
+    assert "not compared: AVX512BW and AVX-VNNI (not recorded in the baseline" in out
+    assert "not compared: onnxruntime (not recorded in the baseline)" in out
+    # what the old manifest does record still counts: its CPU flags list
+    other = manifest(int8=None)
+    other["hardware"]["flags"] = ["avx2", "avx512_vnni"]
+    assert main(["check", run, "--baseline", _write(tmp_path, "b2.json", other)]) == 2
