@@ -83,7 +83,7 @@ def export(
 ) -> Candidate:
     """Export ``module`` to ONNX with the export step (every output verified against PyTorch),
     with ``config`` or the recipe's ``export`` settings (opset, tolerances)."""
-    cfg = config or _recipe_export(ctx.recipe)
+    cfg = config or ctx.recipe.step_config(ExportConfig)
     return run_step(ctx, cfg, Candidate(name, "torch", None, module=module), workdir)
 
 
@@ -96,16 +96,10 @@ def quantize(
 ) -> Candidate:
     """Quantize ``cand`` (an ONNX candidate) with the quantize step: ``config``, or the
     recipe's ``quantize`` settings, or the step's defaults."""
-    cfg = config or next(
-        (s for s in ctx.recipe.steps if isinstance(s, QuantizeConfig)), QuantizeConfig()
-    )
+    cfg = config or ctx.recipe.step_config(QuantizeConfig)
     return run_step(ctx, cfg, cand, workdir)
 
 
 def evaluate(ctx: StepContext, cand: Candidate) -> Quality:
     """Task metric and fidelity of ``cand`` against the context's FP32 reference outputs."""
     return ctx.evaluate(cand)
-
-
-def _recipe_export(recipe: Recipe) -> ExportConfig:
-    return next((s for s in recipe.steps if isinstance(s, ExportConfig)), ExportConfig())

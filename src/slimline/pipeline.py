@@ -177,10 +177,6 @@ def _steps_after_export(recipe: Recipe) -> list[StepConfig]:
     return [s for s in recipe.steps if not isinstance(s, ExportConfig)]
 
 
-def _export_config(recipe: Recipe) -> ExportConfig:
-    return next((s for s in recipe.steps if isinstance(s, ExportConfig)), ExportConfig())
-
-
 # ---------------------------------------------------------------------------------------------
 # baselines
 
@@ -209,7 +205,7 @@ def _baselines(run: Run) -> None:
     )
     run.chain.append(torch_cand)
     run.reference = _reference(run, torch_cand)
-    onnx_cand = _cached_step(run, _export_config(run.recipe), torch_cand)
+    onnx_cand = _cached_step(run, run.recipe.step_config(ExportConfig), torch_cand)
     onnx_cand.accepted, onnx_cand.reason = True, "baseline (verified export)"
     run.chain.append(onnx_cand)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 RECIPE_VERSION: Literal[1] = 1
+
+
+S = TypeVar("S", bound=StepConfig)
 
 
 class TargetConfig(Config):
@@ -164,6 +167,10 @@ class Recipe(Config):
                 f"task {self.task!r}"
             )
         return self
+
+    def step_config(self, cls: type[S]) -> S:
+        """The recipe's first step of config type ``cls``, or that step's defaults."""
+        return next((s for s in self.steps if isinstance(s, cls)), None) or cls()
 
     def batch_axes(self) -> dict[str, int | None]:
         return {name: cfg.batch_axis for name, cfg in self.inputs.items()}

@@ -485,7 +485,7 @@ def _run_rounds(
 def _export(ctx: StepContext, module: Any) -> tuple[Path, dict[str, Any]]:
     from ...export import ExportConfig, export_module, verify_export
 
-    cfg = next((s for s in ctx.recipe.steps if isinstance(s, ExportConfig)), ExportConfig())
+    cfg = ctx.recipe.step_config(ExportConfig)
     sample = ctx.task.sample_inputs(cfg.check_samples)
     path = export_module(module, sample, ctx.workdir / "model.onnx", cfg.opset)
     return path, verify_export(module, path, sample, cfg, ctx.threads)
