@@ -88,7 +88,7 @@ def _train_steps(threads: int, clock: object, n: int = 8) -> np.ndarray:
         t = clock()  # type: ignore[operator]
         loss = torch.nn.functional.cross_entropy(net(xb), yb)
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         out.append(clock() - t)  # type: ignore[operator]
     return np.array(out[2:])

@@ -37,13 +37,14 @@ def _manifest(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "manifest.json"
     if not path.is_file():
         raise SystemExit(f"{run_dir} is not a finished run: no manifest.json")
-    return json.loads(path.read_text())
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest
 
 
 def _by_name(manifest: dict[str, Any], name: str, run_dir: Path) -> dict[str, Any]:
     for c in manifest["candidates"]:
         if c["name"] == name and c.get("artifact"):
-            return c
+            return dict(c)
     raise SystemExit(f"{run_dir} has no ONNX candidate {name!r}: was it a prune run?")
 
 

@@ -87,7 +87,8 @@ def resnet18() -> Any:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.blocks(self.stem(x))
-            return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+            out: torch.Tensor = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+            return out
 
     torch.manual_seed(0)
     model = ResNet18()

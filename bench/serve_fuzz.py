@@ -25,7 +25,9 @@ SPECS = {
 }  # fmt: skip
 
 
-def fuzz(client: httpx.Client, model: str, n: int, counts: collections.Counter) -> None:
+def fuzz(
+    client: httpx.Client, model: str, n: int, counts: collections.Counter[tuple[str, int]]
+) -> None:
     spec, outputs = SPECS[model]
 
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
@@ -44,7 +46,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     args = ap.parse_args()
     paths = [MODELS[m]()[0] for m in SPECS]
-    counts: collections.Counter = collections.Counter()
+    counts: collections.Counter[tuple[str, int]] = collections.Counter()
     t0 = time.perf_counter()
     flags = ["--threads", "2", "--max-body-mb", "1", "--timeout-ms", "60000"]
     with (

@@ -29,7 +29,7 @@ from slimline.serve.model import ort_serving_session
 THREADS = 2
 
 
-def post(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict) -> None:
+def post(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict[str, str]) -> None:
     conn.request("POST", path, body, headers)
     resp = conn.getresponse()
     resp.read()

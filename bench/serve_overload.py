@@ -42,7 +42,7 @@ def mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
     return 1e3 * (after[0] - before[0]) / max(after[1] - before[1], 1.0)
 
 
-def recovery_s(url: str, name: str, body: bytes, headers: dict) -> float:
+def recovery_s(url: str, name: str, body: bytes, headers: dict[str, str]) -> float:
     t0 = time.perf_counter()
     with httpx.Client(timeout=5) as c:
         while True:

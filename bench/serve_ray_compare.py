@@ -71,17 +71,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def sweep(url: str, name: str, loads: list, seconds: float) -> list[dict[str, Any]]:
+def sweep(url: str, name: str, loads: list[Any], seconds: float) -> list[dict[str, Any]]:
     return [{"concurrency": c, **closed_loop(url, name, loads, c, seconds)} for c in LEVELS]
 
 
-def on_ray(path: Path, name: str, loads: list, seconds: float) -> dict[str, list]:
+def on_ray(
+    path: Path, name: str, loads: list[Any], seconds: float
+) -> dict[str, list[dict[str, Any]]]:
     import ray
     from ray import serve
 
     from slimline.serve.ray import build_ray_app
 
-    out: dict[str, list] = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -95,7 +97,7 @@ def on_ray(path: Path, name: str, loads: list, seconds: float) -> dict[str, list
         serve.run(build_ray_app([path], settings, replicas=1), name="slimline", route_prefix="/")
         out["ray-slimline"] = sweep(url, name, loads, seconds)
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
     return out
 
@@ -117,7 +119,7 @@ def at_p99(points: list[dict[str, Any]], target_ms: float) -> float | None:
     return best
 
 
-def report(name: str, note: str, runs: dict[str, list], seconds: float) -> str:
+def report(name: str, note: str, runs: dict[str, list[dict[str, Any]]], seconds: float) -> str:
     rows = ["| server | " + " | ".join(f"c={c}: req/s, p99" for c in LEVELS) + " |",
             "|---|" + "---|" * len(LEVELS)]  # fmt: skip
     for system, points in runs.items():

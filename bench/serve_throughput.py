@@ -32,7 +32,7 @@ from slimline.serve.model import ort_serving_session
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def engine_best(path: Any, rows: dict, seconds: float) -> tuple[float, int, bool]:
+def engine_best(path: Any, rows: dict[str, Any], seconds: float) -> tuple[float, int, bool]:
     best = (0.0, 1, False)
     for spinning in (False, True):
         sess = ort_serving_session(path, 2, spinning=spinning)

@@ -40,7 +40,8 @@ class SpeechProbability(nn.Module):
 
     def forward(self, audio: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         probability, _ = self.inner(audio, state.transpose(0, 1).contiguous())
-        return probability.unsqueeze(1)
+        out: torch.Tensor = probability.unsqueeze(1)
+        return out
 
 
 def _package() -> Path:
@@ -60,7 +61,8 @@ def _akiki() -> nn.Module:
     assert ckpt["spec"]["kind"] == "gru" and ckpt["spec"]["hidden"] == 128, release
     inner = AkikiModel(ckpt["spec"]["hidden"])
     inner.load_state_dict(ckpt["state_dict"], strict=True)
-    return inner.eval()
+    module: nn.Module = inner.eval()
+    return module
 
 
 @cache

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="no-untyped-call"
+# (skimage.data and the zoo packages' preprocessing functions are untyped)
 """Real inputs for the zoo's models, preprocessed as each model's own package does.
 
 Images are scikit-image's bundled photos and scans (``skimage.data``, inside its wheel); speech is
@@ -114,7 +116,8 @@ def speech() -> np.ndarray:
         assert member is not None
         rate, wav = wavfile.read(io.BytesIO(member.read()))
     assert rate == 16000 and wav.dtype == np.int16, (rate, wav.dtype)
-    return (wav.astype(np.float32) / 32768.0).astype(np.float32)
+    samples: np.ndarray = (wav.astype(np.float32) / 32768.0).astype(np.float32)
+    return samples
 
 
 def zoo_data_dir() -> Path:

@@ -298,7 +298,7 @@ def export_step(cfg: ExportConfig, cand: Candidate, ctx: StepContext) -> Candida
 
 def _opset_of(path: Path) -> int:
     model = onnx.load(str(path), load_external_data=False)
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    return next(int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _export_verified(

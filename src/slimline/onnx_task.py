@@ -78,7 +78,9 @@ def shown(model: ModelInput, axis: int | None) -> str:
     return f"{model.dtype} [{', '.join(dims)}]"
 
 
-def _mismatch(where: str, name: str, problem: str, model: ModelInput, axis: int | None, fix: str):
+def _mismatch(
+    where: str, name: str, problem: str, model: ModelInput, axis: int | None, fix: str
+) -> InputMismatchError:
     return InputMismatchError(
         f"{where}: input {name!r} {problem}, but the model expects {shown(model, axis)}; {fix}"
     )
@@ -279,7 +281,8 @@ def _max_batch(
 
 def _probe(runner: Any, inputs: Inputs, sig: Signature, where: str) -> dict[str, np.ndarray]:
     try:
-        return runner.call(inputs)
+        outputs: dict[str, np.ndarray] = runner.call(inputs)
+        return outputs
     except Exception as err:  # ONNX Runtime raises its own Fail/InvalidArgument/... types
         # a failure inside a subgraph nests "Status Message:"s; the innermost names the cause
         first = str(err).strip().splitlines()[0].split("Status Message: ")[-1][:300]

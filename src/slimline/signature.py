@@ -111,7 +111,9 @@ def concat_rows(parts: Sequence[Arrays], sig: Signature | None = None) -> dict[s
     return out
 
 
-def split_rows(inputs: Arrays, size: int, sig: Signature | None = None) -> Iterator[dict]:
+def split_rows(
+    inputs: Arrays, size: int, sig: Signature | None = None
+) -> Iterator[dict[str, np.ndarray]]:
     n = n_rows(inputs, sig)
     for start in range(0, n, size):
         yield slice_rows(inputs, start, min(start + size, n), sig)

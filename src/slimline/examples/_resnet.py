@@ -28,7 +28,8 @@ class BasicBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+        out: torch.Tensor = self.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+        return out
 
 
 class ResidualCNN(nn.Module):
@@ -53,4 +54,5 @@ class ResidualCNN(nn.Module):
         self.fc = nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+        out: torch.Tensor = self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+        return out

@@ -193,7 +193,7 @@ def train_model(arch: Arch = ARCH, cfg: TrainConfig = TRAIN) -> dict[str, Any]:
                     out, torch.from_numpy(y[idx]), label_smoothing=cfg.label_smoothing
                 )
                 opt.zero_grad()
-                err.backward()
+                err.backward()  # type: ignore[no-untyped-call]
                 opt.step()
                 sched.step()
                 bar.update(1)

@@ -72,7 +72,8 @@ def peak_rss(
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"peak-RSS worker failed for {cand.name}: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    peak: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return peak
 
 
 def _worker(argv: list[str]) -> dict[str, Any]:

@@ -247,7 +247,8 @@ class OrtRunner:
         if self._row_by_row(inputs):
             return self.run_all(inputs)[primary]
         # every output is computed, as a served model computes them all
-        return self.session.run(None, inputs)[self.output_names.index(primary)]
+        outputs: list[np.ndarray] = self.session.run(None, inputs)
+        return outputs[self.output_names.index(primary)]
 
 
 class TorchRunner:
@@ -275,7 +276,8 @@ class TorchRunner:
                 ) from None
         if isinstance(out, (tuple, list)):
             out = out[0]
-        return out.detach().float().numpy()
+        result: np.ndarray = out.detach().float().numpy()
+        return result
 
     def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
         return {"output": self.run(inputs)}

@@ -156,5 +156,5 @@ def serve_on_ray(
         while not stop.wait(0.5):
             pass
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()

@@ -230,7 +230,7 @@ def _ray(
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     actors: list[Any] = []
     try:
-        cpus = int(ray.cluster_resources().get("CPU", 1))
+        cpus = int(ray.cluster_resources().get("CPU", 1))  # type: ignore[no-untyped-call]
         spec_ref = ray.put(spec)
         actor_cls = ray.remote(num_cpus=1)(_RayWorker)
         actors = [actor_cls.remote(spec_ref) for _ in range(max(1, min(cpus, len(jobs))))]

@@ -293,7 +293,7 @@ class Search:
             return False
         gain = self.ctx.recipe.budget.min_gain
         band, fp32 = trial.latency["band"], trial.fp32["band"]
-        return (
+        return bool(
             trial.p50() < (1.0 - gain) * trial.fp32["p50"]
             and band[0] < fp32[0]
             and band[1] < fp32[1]

@@ -184,7 +184,7 @@ class RssSampler:
 
     @property
     def peak_mb(self) -> float:
-        return self.peak / 2**20
+        return float(self.peak) / 2**20
 
 
 def calibrate(

@@ -132,7 +132,7 @@ def _output_of(node: onnx.NodeProto, f: _Graph, q: _Graph) -> str | None:
     t = node.output[0]
     for _ in range(3):
         if t in q.tensors:
-            return t
+            return str(t)
         nxt = f.consumers.get(t, [])
         if len(nxt) != 1 or nxt[0].op_type not in _PASS_THROUGH:
             return None
