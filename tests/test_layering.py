@@ -121,6 +121,7 @@ def test_the_registry_and_leaves_depend_only_on_leaves() -> None:
     assert graph["slimline.config"] == set() and graph["slimline.discover"] == set()
     assert graph["slimline.signature"] == set()
     assert graph["slimline.tensors"] == {"slimline.errors", "slimline.signature"}
+    assert graph["slimline.records"] == set(), "step records are a leaf: steps and report read them"
 
 
 def test_the_cycle_finder_finds_lazy_and_type_only_cycles(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from ..candidate import Candidate, quantizable_graph
 from ..context import StepContext
 from ..cpu import detect as detect_cpu
 from ..errors import error_text, is_user_error
+from ..records import QuantizeAlternativeRecord, QuantizeRecord, SearchRecord, TrialSummary
 from ..steps import Contract, step
 from ..task import Inputs
 from .quant.auto import (
@@ -158,21 +159,27 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     _warn_representativeness(ctx, calib.representativeness, chosen)
     with s.timed("layerwise"):
         rows = _layerwise(s, chosen)
-    meta = {
-        "mode": cfg.mode,
-        **describe(s, chosen, rows),
-        "prepared": prepared.summary(),
-        "calibration": calib.summary(),
-        "representativeness": calib.representativeness,
-        "distributions": dist,
-        "search": {**record, "candidates": [_trial_summary(s, t) for t in s.trials]},
-        "step_wall_s": round(time.perf_counter() - t0, 2),
-        "timings_s": {
-            "prepare": round(t_prep, 3),
-            "calibrate": round(calib.wall_s, 3),
-            **s.timings,
-        },
-    }
+    record["candidates"] = [_trial_summary(s, t) for t in s.trials]
+    d = describe(s, chosen, rows)
+    meta = QuantizeRecord(
+        mode=cfg.mode,
+        config=d["config"],
+        label=d["label"],
+        precision_map=d["precision_map"],
+        kernels=d["kernels"],
+        fallback_report=d["fallback_report"],
+        layerwise=d["layerwise"],
+        layerwise_statement=d["layerwise_statement"],
+        latency_ratio_vs_fp32=d["latency_ratio_vs_fp32"],
+        notes=d["notes"],
+        prepared=prepared.summary(),
+        calibration=calib.summary(),
+        representativeness=calib.representativeness,
+        distributions=dist,
+        search=record,
+        step_wall_s=round(time.perf_counter() - t0, 2),
+        timings_s={"prepare": round(t_prep, 3), "calibrate": round(calib.wall_s, 3), **s.timings},
+    )
     if "no_candidate_met_budget" in record:
         meta["no_candidate_met_budget"] = record["no_candidate_met_budget"]
         ctx.warn(f"quantize: {record['no_candidate_met_budget']}")
@@ -186,7 +193,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         parent=cand.name,
         onnx=chosen.path,
         module=None,
-        meta=meta,
+        meta=dict(meta),
         reason=s.reason(chosen) if chosen.latency else chosen.budget_reason,
         measurement=_measurement(ctx, chosen),
     )
@@ -203,12 +210,12 @@ def _layerwise(s: Search, chosen: Trial) -> list[dict[str, Any]]:
         return []
 
 
-def _single(s: Search, plan: Any, spec: QuantSpec) -> tuple[Trial, list[Trial], dict[str, Any]]:
+def _single(s: Search, plan: Any, spec: QuantSpec) -> tuple[Trial, list[Trial], SearchRecord]:
     trial = s.judge(s.build(spec, plan))
     s.trials = [trial]
     if trial.failure is not None:
         raise all_failed(s)
-    record: dict[str, Any] = {}
+    record: SearchRecord = {}
     if not trial.budget_ok and s.cfg.mixed_precision:
         mixed = mixed_precision(s, trial)
         if mixed is not None and mixed is not trial:
@@ -233,7 +240,7 @@ def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
     return out
 
 
-def _trial_summary(s: Search, t: Trial) -> dict[str, Any]:
+def _trial_summary(s: Search, t: Trial) -> TrialSummary:
     return {
         "name": t.name,
         "label": t.label,
@@ -274,12 +281,14 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
         onnx=t.path if t.path.is_file() else None,  # a trial that failed to build may have none
         accepted=False,
         reason=reason,
-        meta={
-            "config": t.spec.to_dict(),
-            "label": t.label,
-            "kernels": t.kernels,
-            "precision_map": t.plan.to_dict(),
-            "fallback_report": t.kernels["summary"],
-        },
+        meta=dict(
+            QuantizeAlternativeRecord(
+                config=t.spec.to_dict(),
+                label=t.label,
+                kernels=t.kernels,
+                precision_map=t.plan.to_dict(),
+                fallback_report=t.kernels["summary"],
+            )
+        ),
         measurement=_measurement(s.ctx, t),
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..records import PruneRecord, prune_record
 from . import section
 from .html import fmt, ratio_to_base, table
 from .plots import figure, png_img
@@ -29,7 +30,7 @@ def _short(name: str, keep: int = 34) -> str:
 
 
 def _facts(c: dict[str, Any]) -> str:
-    meta = c["meta"]
+    meta = prune_record(c["meta"])
     macs, params, planned = meta["macs"], meta["params"], meta.get("planned") or {}
     sweep = meta.get("sensitivity") or {}
     rows = [
@@ -69,7 +70,7 @@ def _facts(c: dict[str, Any]) -> str:
     return table(["", ""], rows)
 
 
-def _heatmap(meta: dict[str, Any]) -> str | None:
+def _heatmap(meta: PruneRecord) -> str | None:
     sweep = meta.get("sensitivity")
     if not sweep or not sweep.get("groups"):
         return None
@@ -98,7 +99,7 @@ def _box(x: int, y: int) -> Any:
     return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.5)
 
 
-def _plan_table(meta: dict[str, Any]) -> str:
+def _plan_table(meta: PruneRecord) -> str:
     plan = meta.get("plan") or {}
     rows = [
         [
@@ -114,7 +115,7 @@ def _plan_table(meta: dict[str, Any]) -> str:
     return table(["group", "kind", "size", "kept", "planned ratio", "removed"], rows)
 
 
-def _rounds_table(meta: dict[str, Any]) -> str:
+def _rounds_table(meta: PruneRecord) -> str:
     rows = []
     for r in meta.get("rounds", []):
         if "skipped" in r:
@@ -146,7 +147,7 @@ def pruning(m: dict[str, Any], run_dir: Path) -> str | None:
         return None
     parts = []
     for c in cands:
-        meta = c["meta"]
+        meta = prune_record(c["meta"])
         parts.append(f"<h3>{html.escape(c['name'])}</h3>" + _facts(c))
         heat = _heatmap(meta)
         if heat:
@@ -200,7 +201,7 @@ def four_way(m: dict[str, Any], run_dir: Path) -> str | None:
     pruned = [c for c in _prune_candidates(m) if c["meta"].get("torch")]
     if not pruned or "fp32-torch" not in cands or "fp32-onnx" not in cands:
         return None
-    torch_view = pruned[-1]["meta"]["torch"]
+    torch_view = prune_record(pruned[-1]["meta"]).get("torch") or {}
     selected = cands.get(m.get("selected") or "", cands["fp32-onnx"])
     ft, fo, so = _measured(cands["fp32-torch"]), _measured(cands["fp32-onnx"]), _measured(selected)
     t_p50, t_base = torch_view["latency_ms"]["p50"], torch_view["fp32_latency_ms"]["p50"]

@@ -6,6 +6,7 @@ import html
 from pathlib import Path
 from typing import Any
 
+from ..records import QuantizeRecord, quantize_record
 from . import section
 from .html import fmt, table
 from .plots import figure, png_img
@@ -28,6 +29,11 @@ def _quantized(m: dict[str, Any]) -> dict[str, Any] | None:
     return cands[-1] if cands and cands[-1].get("meta") else None
 
 
+def _record(m: dict[str, Any]) -> QuantizeRecord | None:
+    c = _quantized(m)
+    return quantize_record(c["meta"]) if c is not None else None
+
+
 def _e(x: Any) -> str:
     return html.escape(str(x))
 
@@ -37,7 +43,7 @@ def search(m: dict[str, Any], run_dir: Path) -> str | None:
     c = _quantized(m)
     if c is None:
         return None
-    meta = c["meta"]
+    meta = quantize_record(c["meta"])
     out = f"<p>Chosen: <b>{_e(meta.get('label'))}</b>, {_e(meta.get('fallback_report'))}. "
     out += f"Pipeline decision: {'kept' if c.get('accepted') else 'rejected'}: {_e(c.get('reason'))}</p>"
     if meta.get("no_candidate_met_budget"):
@@ -75,7 +81,7 @@ def _alternatives(m: dict[str, Any]) -> str:
     )
 
 
-def _facts(meta: dict[str, Any]) -> str:
+def _facts(meta: QuantizeRecord) -> str:
     cal, rep = meta.get("calibration", {}), meta.get("representativeness", {})
     rows = [
         ["graph preparation", _e("; ".join(meta.get("prepared", {}).get("notes", [])) or "-")],
@@ -111,7 +117,7 @@ def _facts(meta: dict[str, Any]) -> str:
     return out
 
 
-def _precision(meta: dict[str, Any]) -> str:
+def _precision(meta: QuantizeRecord) -> str:
     pm = meta.get("precision_map", {})
     floats = [(n, d["rule"]) for n, d in pm.get("nodes", {}).items() if d["precision"] == "float"]
     out = f"<p>Precision map: {pm.get('int8', 0)} INT8, {pm.get('float', 0)} float.</p>"
@@ -136,11 +142,11 @@ def _step(t: dict[str, Any]) -> str:
 
 @section(310, "Layer-wise quantization error")
 def layerwise(m: dict[str, Any], run_dir: Path) -> str | None:
-    c = _quantized(m)
-    rows = (c or {}).get("meta", {}).get("layerwise") or []
-    if not rows:
+    rec = _record(m)
+    rows = rec.get("layerwise") if rec is not None else None
+    if rec is None or not rows:
         return None
-    out = f"<p>{_e(c['meta'].get('layerwise_statement'))}</p>" if c else ""
+    out = f"<p>{_e(rec.get('layerwise_statement'))}</p>"
     shown = [r for r in rows if r.get("local_sqnr_db") is not None][:_BARS]
     if shown:
         fig, ax = figure(7.5, max(2.5, 0.22 * len(shown) + 1))
@@ -169,8 +175,8 @@ def layerwise(m: dict[str, Any], run_dir: Path) -> str | None:
 
 @section(320, "Activation and weight distributions")
 def distributions(m: dict[str, Any], run_dir: Path) -> str | None:
-    c = _quantized(m)
-    dist = (c or {}).get("meta", {}).get("distributions")
+    rec = _record(m)
+    dist = rec.get("distributions") if rec is not None else None
     if not dist:
         return None
     rec = dist.get("recommendation", {})

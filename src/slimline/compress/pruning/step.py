@@ -28,6 +28,7 @@ from ...errors import RecipeError, StepError
 from ...module_guard import private_copy, torch_threads
 from ...recipe import StepConfig
 from ...record import atomic_write_bytes, atomic_write_json
+from ...records import PruneRecord
 from ...steps import Contract, step
 from ...task import Task
 from ..finetune import FinetuneConfig, accumulate_gradients, distill, resolve_data, to_tensors
@@ -590,7 +591,7 @@ def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     files = _save_module(ctx.workdir, pruned, history)
     onnx_path, check = _export(ctx, pruned)
     macs_after, params_after = count_macs_params(pruned, graph.example)
-    meta = {
+    meta: PruneRecord = {
         "plan": {n: r for n, r in plan.ratios.items() if r > 0},
         "planned": plan.to_dict(),
         "groups": {n: {**g.to_dict(), "kept": graph.units(n)} for n, g in graph.groups.items()},
@@ -604,7 +605,8 @@ def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
         "params": _share(cost.total_params, params_after),
         "export_check": check,
         "torch": _torch_view(ctx, teacher, pruned),
-        **files,
+        "weights": files["weights"],
+        "history_file": files["history_file"],
     }
     state.clear()
-    return Candidate("prune", "prune", cand.name, onnx=onnx_path, module=pruned, meta=meta)
+    return Candidate("prune", "prune", cand.name, onnx=onnx_path, module=pruned, meta=dict(meta))

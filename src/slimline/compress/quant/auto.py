@@ -21,6 +21,7 @@ from ...errors import StepError, error_text, is_user_error
 from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
+from ...records import SearchRecord, TrialDescription
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
 from .engine import quantize_model
@@ -329,7 +330,7 @@ class Search:
 
 def search(
     s: Search, tries: list[tuple[QuantSpec, PrecisionPlan]]
-) -> tuple[Trial, list[Trial], dict[str, Any]]:
+) -> tuple[Trial, list[Trial], SearchRecord]:
     """Build and evaluate every spec; time (interleaved with FP32) those within budget, or all of
     them when none is; mixed precision from the fastest when none qualifies.
 
@@ -358,7 +359,7 @@ def search(
             s.trials.append(mixed)
             if mixed.budget_ok and s.faster(mixed):
                 good = [mixed]
-    record: dict[str, Any] = {"fp32_latency_ms": next((t.fp32 for t in s.trials if t.fp32), None)}
+    record: SearchRecord = {"fp32_latency_ms": next((t.fp32 for t in s.trials if t.fp32), None)}
     record["mixed_precision"] = s.mixed_trace
     if good:
         chosen = pick(good, s.objective, s.ctx.recipe.budget.min_gain)
@@ -483,7 +484,7 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     return best
 
 
-def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescription:
     """The record of one trial for ``Candidate.meta``."""
     return {
         "config": trial.spec.to_dict(),
