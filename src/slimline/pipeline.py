@@ -404,7 +404,41 @@ def _run_step(run: Run, cfg: StepConfig) -> None:
         cand.accepted, cand.reason = False, f"failed: {error_text(err)}"
         cand.meta = {**cand.meta, "failure": _failure_record(err)}
     log.info("step %s: %s (%s)", cfg.kind, "ACCEPTED" if cand.accepted else "REJECTED", cand.reason)
-    run.chain.append(cand)
+    rivals = [a for a in run.alternatives[n_alt:] if a.meta.get("competes")]
+    run.chain.append(_compete(run, cfg, parent, cand, rivals))
+
+
+def _compete(
+    run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate, rivals: list[Candidate]
+) -> Candidate:
+    """Judge each rival the step built (an alternative marked ``competes``: NNCF's INT8 model)
+    against the same parent, on the same budget, like the chosen candidate. With one runtime
+    an accepted rival that is faster than the chosen one in a direct interleaved comparison
+    takes its place in the chain; with runtime auto every accepted rival is measured on both
+    runtimes and can be the pick. Returns the step's candidate for the chain."""
+    for rival in rivals:
+        try:
+            if rival.onnx is not None and "onnxruntime" in run.runtimes:
+                check_candidate(rival.onnx, run.threads)
+            rival.accepted, rival.reason = _decide(run, cfg, parent, rival)
+        except Exception as err:
+            if is_user_error(err):
+                raise
+            rival.accepted, rival.reason = False, f"failed: {error_text(err)}"
+        log.info("step %s rival %s: %s (%s)", cfg.kind, rival.name, rival.accepted, rival.reason)
+        if len(run.runtimes) == 1 and rival.accepted and _beats(run, rival, cand):
+            run.alternatives[run.alternatives.index(rival)] = cand
+            cand.meta = {**cand.meta, "replaced_by": rival.name}
+            cand = rival
+    return cand
+
+
+def _beats(run: Run, rival: Candidate, cand: Candidate) -> bool:
+    """``rival`` is faster than ``cand`` (or ``cand`` was rejected), measured interleaved."""
+    if not cand.accepted:
+        return True
+    lat = _compare(run, [cand, rival])
+    return bool(lat[rival.name]["latency_ms"]["p50"] < lat[cand.name]["latency_ms"]["p50"])
 
 
 def _reject_failed_step(run: Run, cfg: StepConfig, parent: Candidate, err: Exception) -> None:
@@ -599,6 +633,8 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
 
 def _measure_all(run: Run) -> None:
     cands = [c for c in run.chain if not _failed(c)]
+    if len(run.runtimes) > 1:  # accepted rivals (NNCF) can be the pick on either runtime
+        cands += [a for a in run.alternatives if a.meta.get("competes") and a.accepted]
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
@@ -842,7 +878,7 @@ def _profile(run: Run) -> None:
 def _selected(run: Run) -> Candidate:
     pick = run.extra.get("runtime_pick") or {}
     if pick.get("candidate"):
-        return next(c for c in run.chain if c.name == pick["candidate"])
+        return next(c for c in [*run.chain, *run.alternatives] if c.name == pick["candidate"])
     return next(
         (c for c in reversed(run.chain) if c.accepted and c.onnx is not None), run.chain[-1]
     )
