@@ -633,8 +633,8 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
 
 def _measure_all(run: Run) -> None:
     cands = [c for c in run.chain if not _failed(c)]
-    if len(run.runtimes) > 1:  # accepted rivals (NNCF) can be the pick on either runtime
-        cands += [a for a in run.alternatives if a.meta.get("competes") and a.accepted]
+    if len(run.runtimes) > 1:  # rivals (NNCF): measured on both; the pick if accepted there
+        cands += [a for a in run.alternatives if a.meta.get("competes") and not _failed(a)]
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
@@ -856,16 +856,24 @@ def _profile(run: Run) -> None:
     sample = run.task.sample_inputs(1)
     targets = {
         c.name: c
-        for c in run.chain
+        for c in [*run.chain, *run.alternatives]
         if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted) and not _failed(c)
     }
     selected = _selected(run)
     profiles = {}
+    ov_profiles = {}
     for name in sorted({"fp32-onnx", selected.name} & set(targets)):
         path = targets[name].onnx
         assert path is not None
-        profiles[name] = profile_ops(path, sample, run.threads)
+        if "onnxruntime" in run.runtimes:
+            profiles[name] = profile_ops(path, sample, run.threads)
+        if "openvino" in run.runtimes:
+            from .measure.ov import ov_profile_ops
+
+            ov_profiles[name] = ov_profile_ops(path, sample, run.threads)
     run.extra["profiles"] = profiles
+    if ov_profiles:
+        run.extra["profiles_openvino"] = ov_profiles
     baseline = run.baseline.onnx
     assert baseline is not None
     run.extra["weight_distributions"] = weight_stats(baseline)

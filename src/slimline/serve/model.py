@@ -29,6 +29,7 @@ __all__ = [
     "ServedModel",
     "TensorSpec",
     "load_served_models",
+    "make_backend",
     "ort_serving_session",
     "resolve_model_path",
 ]
@@ -215,14 +216,20 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
     onnx_path = run_dir / cand["artifact"]
     if not onnx_path.is_file():
         raise ModelFileError(f"run {run_dir}: artifact {onnx_path} is missing; rerun the pipeline")
-    meta = {"source": str(run_dir), "candidate": selected, "run_status": manifest.get("status")}
+    meta = {
+        "source": str(run_dir),
+        "candidate": selected,
+        "run_status": manifest.get("status"),
+        "runtime": manifest.get("selected_runtime") or "onnxruntime",
+    }
     return str(name), onnx_path, meta
 
 
 def load_served_models(
-    paths: list[Path], threads: int = 1, *, spinning: bool = False
+    paths: list[Path], threads: int = 1, *, spinning: bool = False, runtime: str | None = None
 ) -> list[ServedModel]:
-    """Load each path as an ONNX Runtime model; two paths may not share a served name."""
+    """Load each path on ``runtime``, or (``None``) on the runtime its run picked (ONNX
+    Runtime for a bare ``.onnx`` file); two paths may not share a served name."""
     models: list[ServedModel] = []
     for path in paths:
         name, onnx_path, meta = resolve_model_path(Path(path))
@@ -231,6 +238,19 @@ def load_served_models(
                 f"two models are both named {name!r}; serve them from separate processes or "
                 "rename one .onnx file"
             )
-        backend = OrtBackend(onnx_path, threads, spinning=spinning)
+        chosen = runtime or meta.get("runtime") or "onnxruntime"
+        meta = {**meta, "runtime": chosen}
+        backend = make_backend(onnx_path, threads, chosen, spinning=spinning)
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models
+
+
+def make_backend(
+    path: Path, threads: int, runtime: str = "onnxruntime", *, spinning: bool = False
+) -> InferenceBackend:
+    """The serving backend for ``path`` on ``runtime`` (``onnxruntime`` or ``openvino``)."""
+    if runtime == "openvino":
+        from .ov_backend import OvBackend
+
+        return OvBackend(path, threads)
+    return OrtBackend(path, threads, spinning=spinning)
