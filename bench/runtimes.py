@@ -114,13 +114,18 @@ def _pick_check(manifest: dict[str, Any]) -> Check:
     return run_check("auto pick within the band of the fastest in-budget pair", check)
 
 
-def run_model(model: str, rounds: int | None, work: Path) -> dict[str, Any]:
-    recipe = _recipe(model, rounds)
-    t0 = time.perf_counter()
-    run = run_recipe(recipe, work / model, remeasure=True)
-    wall = time.perf_counter() - t0
-    manifest = json.loads((run.out / "manifest.json").read_text())
-    return {"model": model, "wall_s": round(wall, 1), "manifest": manifest}
+def run_model(model: str, rounds: int | None, work: Path, rerender: bool) -> dict[str, Any]:
+    """Run the model's recipe into ``work/model`` (or, with ``rerender``, read the run a
+    previous invocation left there) and return its manifest and wall time."""
+    out = work / model
+    if not rerender:
+        t0 = time.perf_counter()
+        run_recipe(_recipe(model, rounds), out, remeasure=True)
+        wall = {"wall_s": round(time.perf_counter() - t0, 1)}
+        (out / "bench-wall.json").write_text(json.dumps(wall))
+    manifest = json.loads((out / "manifest.json").read_text())
+    wall_s = json.loads((out / "bench-wall.json").read_text())["wall_s"]
+    return {"model": model, "wall_s": wall_s, "manifest": manifest}
 
 
 def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: list[str]) -> str:
@@ -185,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--work", type=Path, default=Path("/tmp/slimline-bench-runtimes"))
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--rerender", action="store_true", help="write the table from the runs left in --work"
+    )
     args = p.parse_args(argv)
     before = busy_cores(1.0)
     results = []
     for model in args.models:
-        r = run_model(model, args.rounds, args.work)
+        r = run_model(model, args.rounds, args.work, args.rerender)
         r["check"] = _pick_check(r["manifest"])
         results.append(r)
     busy = {"before": before, "after": busy_cores(1.0)}
