@@ -8,13 +8,10 @@ runtime that will serve. Among eligible pairs within budget, the fastest p50 at 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .candidate import Candidate
 from .runtimes import Pair, pick_pair
-
-if TYPE_CHECKING:
-    from .pipeline import Run
 
 __all__ = ["apply_pick", "pairs_of", "side_by_side"]
 
@@ -67,15 +64,15 @@ def side_by_side(cands: list[Candidate]) -> list[dict[str, Any]]:
     return rows
 
 
-def apply_pick(run: Run, cands: list[Candidate]) -> None:
-    """Record the pick in ``run.extra["runtime_pick"]`` and set each candidate's top-level
-    figures to those on the picked runtime (the other runtime's stay under ``runtimes``)."""
+def apply_pick(cands: list[Candidate], runtimes: list[str]) -> dict[str, Any]:
+    """The pick (the manifest's ``runtime_pick``); sets each candidate's top-level figures to
+    those on the picked runtime (the other runtime's stay under ``runtimes``)."""
     pairs = pairs_of(cands)
     pick = pick_pair(pairs)
     if pick is None:  # not even the baseline within budget on a runtime: serve it on the first
         pick = next((p for p in pairs if p.candidate == BASELINE), None)
-    run.extra["runtime_pick"] = {
-        "runtime": pick.runtime if pick else run.runtimes[0],
+    record = {
+        "runtime": pick.runtime if pick else runtimes[0],
         "candidate": pick.candidate if pick else None,
         "p50_ms": pick.p50_ms if pick else None,
         "rule": "fastest p50 at batch 1 among (runtime, candidate) pairs within budget whose "
@@ -83,10 +80,11 @@ def apply_pick(run: Run, cands: list[Candidate]) -> None:
         "pairs": [p.__dict__ for p in pairs],
         "side_by_side": side_by_side(cands),
     }
-    serving = run.serving_runtime
+    serving = str(record["runtime"])
     for c in cands:
         per_runtime = (c.measurement or {}).get("runtimes") or {}
         shown: dict[str, Any] = per_runtime.get(serving) or {"failed": ""}
         if "failed" in shown:
             shown = next((f for f in per_runtime.values() if "failed" not in f), {})
         c.measurement = {**shown, "runtimes": per_runtime}
+    return record

@@ -656,7 +656,7 @@ def _measure_all(run: Run) -> None:
     if len(run.runtimes) > 1:
         from .pick import apply_pick
 
-        apply_pick(run, cands)
+        run.extra["runtime_pick"] = apply_pick(cands, run.runtimes)
     for alt in run.alternatives:
         alt.measurement = {**(alt.measurement or {}), "size_bytes": _size(alt)}
 
@@ -868,7 +868,7 @@ def _profile(run: Run) -> None:
         if "onnxruntime" in run.runtimes:
             profiles[name] = profile_ops(path, sample, run.threads)
         if "openvino" in run.runtimes:
-            from .measure.ov import ov_profile_ops
+            from .measure.ov_profile import ov_profile_ops
 
             ov_profiles[name] = ov_profile_ops(path, sample, run.threads)
     run.extra["profiles"] = profiles

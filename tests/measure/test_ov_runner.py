@@ -19,7 +19,8 @@ from slimline.runtimes import pair_name
 
 pytest.importorskip("openvino", reason="the openvino extra is not installed")
 
-from slimline.measure.ov import OvRunner, ov_profile_ops
+from slimline.measure.ov import OvRunner
+from slimline.measure.ov_profile import ov_profile_ops
 
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((16, 32)).astype(np.float32)

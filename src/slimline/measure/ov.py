@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CandidateError, ModelFileError, RuntimeMissingError
-from ..signature import ModelInput, Signature
-from ..tensors import Inputs
-from .runners import OrtRunner
+from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
+from ..tensors import Inputs, check_inputs
 
 __all__ = [
     "OV_EXTRA",
@@ -30,7 +29,6 @@ __all__ = [
     "openvino_available",
     "ov_compile",
     "ov_message",
-    "ov_profile_ops",
     "ov_settings",
     "ov_version",
     "require_openvino",
@@ -125,9 +123,10 @@ def _port_name(port: Any, index: int, prefix: str) -> str:
     return port.get_any_name() if names else f"{prefix}{index}"
 
 
-class OvRunner(OrtRunner):
-    """The :class:`OrtRunner` contract (batching by signature, input checks, primary output) on
-    an OpenVINO compiled model. One infer request per calling thread, so calls may overlap."""
+class OvRunner:
+    """The :class:`~slimline.measure.runners.OrtRunner` contract (batching by signature, input
+    checks, primary output) on an OpenVINO compiled model. One infer request per calling
+    thread, so calls may overlap."""
 
     def __init__(
         self,
@@ -176,6 +175,22 @@ class OvRunner(OrtRunner):
             for n, p in zip(self.output_names, self.compiled.outputs, strict=True)
         }
 
+    def _check(self, inputs: Inputs) -> None:
+        if not self._checked:
+            check_inputs(inputs, self.spec, f"model {self.name}", self.signature)
+            self._checked = True
+
+    def _row_by_row(self, inputs: Inputs) -> bool:
+        sig = self.signature
+        return sig is not None and sig.max_batch == 1 and n_rows(inputs, sig) > 1
+
+    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
+        self._check(inputs)
+        if self._row_by_row(inputs):
+            parts = [self.call(row) for row in split_rows(inputs, 1, self.signature)]
+            return concat_outputs(parts, self.signature, stack_unbatched=False)
+        return self.call(inputs)
+
     def run(self, inputs: Inputs) -> np.ndarray:
         self._check(inputs)
         primary = (self.signature.primary_output if self.signature else None) or self.output_names[
@@ -184,39 +199,3 @@ class OvRunner(OrtRunner):
         if self._row_by_row(inputs):
             return self.run_all(inputs)[primary]
         return self.call(inputs)[primary]
-
-
-def ov_profile_ops(
-    path: Path, inputs: Inputs, threads: int, runs: int = 50, top: int = 15, warmup: int = 5
-) -> dict[str, Any]:
-    """Per-operator time on OpenVINO from its performance counters (``PERF_COUNT``): the same
-    result shape as :func:`~slimline.measure.opprofile.profile_ops` (ONNX Runtime's), so a
-    reader sees where each runtime spends its time. Node names and types are the ones OpenVINO
-    executes after its own fusions; ``exec_types`` names the kernels (e.g. ``brgemm_avx512_amx``
-    or ``jit_avx512_I8``), which tells INT8 kernels from float ones."""
-    from .opprofile import aggregate
-
-    compiled = ov_compile(path, threads, profile=True)
-    request = compiled.create_infer_request()
-    feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
-    for _ in range(warmup):
-        request.infer(feed)
-    kernels: list[dict[str, Any]] = []
-    exec_types: dict[str, int] = {}
-    for _ in range(runs):
-        request.infer(feed)
-        for info in request.get_profiling_info():
-            if str(info.status).endswith("EXECUTED") and "NOT_RUN" not in str(info.status):
-                kernels.append(
-                    {
-                        "node": info.node_name,
-                        "op_type": info.node_type,
-                        "dur": info.real_time.total_seconds() * 1e6,
-                    }
-                )
-                exec_types[info.exec_type] = exec_types.get(info.exec_type, 0) + 1
-    result = aggregate(kernels, runs, top)
-    result["threads"] = threads
-    result["runtime"] = f"openvino {ov_version()}"
-    result["exec_types"] = dict(sorted(exec_types.items(), key=lambda kv: -kv[1]))
-    return result
