@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+.venv/bin/python -m pip install --quiet -e ".[dev,openvino]"
 # The zoo (bench/zoo.py, tests/test_zoo.py): real third-party models shipped inside these wheels.
 # Only their model files are used, so their dependencies (opencv, another onnxruntime) are not.
 .venv/bin/python -m pip install --quiet --no-deps "rapidocr_onnxruntime==1.4.4" "silero-vad==6.2.3" \

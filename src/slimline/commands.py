@@ -38,6 +38,10 @@ def _apply_overrides(recipe: Any, args: argparse.Namespace) -> Any:
         recipe = recipe.model_copy(
             update={"target": recipe.target.model_copy(update={"threads": args.threads})}
         )
+    if getattr(args, "runtime", None):
+        recipe = recipe.model_copy(
+            update={"target": recipe.target.model_copy(update={"runtime": args.runtime})}
+        )
     return recipe
 
 
@@ -155,6 +159,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--cache", type=Path, help="step cache (default $SLIMLINE_CACHE or ~/.cache/slimline)"
     )
     p.add_argument("--threads", type=int, help="override the target's thread count")
+    p.add_argument(
+        "--runtime",
+        choices=["onnxruntime", "openvino", "auto"],
+        help="override the target's runtime (auto: measure both, serve the faster pair)",
+    )
     p.add_argument(
         "--remeasure", action="store_true", help="measure again instead of reusing cached figures"
     )

@@ -30,6 +30,7 @@ __all__ = [
     "ManifestError",
     "ModelFileError",
     "RecipeError",
+    "RuntimeMissingError",
     "ServeError",
     "SlimlineError",
     "StepError",
@@ -98,6 +99,10 @@ class CandidateError(StepError):
 
 class BudgetError(SlimlineError):
     """No candidate met the accuracy budget; the run ends cleanly and says why."""
+
+
+class RuntimeMissingError(SlimlineError):
+    """The recipe or a command names a runtime whose package is not installed."""
 
 
 class ServeError(SlimlineError):

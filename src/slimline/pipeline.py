@@ -52,6 +52,7 @@ from .record import (
     package_versions,
     versions,
 )
+from .runtimes import runtime_record, runtimes_for
 from .steps import check_order, handler_for, restorer_for, spec_for, start_forms
 from .task import Task, load_task
 
@@ -61,7 +62,7 @@ log = logging.getLogger("slimline.pipeline")
 BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it unreliable
 # bump when how candidates are measured or judged changes: cached figures and decisions miss
 MEASURE_VERSION = 1
-MEASURE_PACKAGES = ("onnxruntime", "torch", "numpy")
+MEASURE_PACKAGES = ("onnxruntime", "torch", "numpy", "openvino")
 
 
 @dataclass
@@ -80,6 +81,14 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # profiles, distributions, step records
     started: float = field(default_factory=time.time)
+    # the runtimes every candidate is measured on: the target's, or both for runtime auto
+    runtimes: list[str] = field(default_factory=lambda: ["onnxruntime"])
+
+    @property
+    def serving_runtime(self) -> str:
+        """The runtime the selected candidate is served on: the pick's with runtime auto."""
+        pick = self.extra.get("runtime_pick") or {}
+        return str(pick.get("runtime") or self.runtimes[0])
 
     @property
     def threads(self) -> int:
@@ -122,6 +131,7 @@ def run_recipe(
         out=Path(out or default_out_dir(recipe)),
         cache=StepCache(cache or cache_dir()),
         remeasure=remeasure,
+        runtimes=runtimes_for(recipe.target.runtime),
     )
     run.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -222,7 +232,13 @@ def start_run(
     hashes, the FP32 baselines and the FP32 reference outputs. With ``baseline`` that candidate
     is the baseline instead of the task's verified export; the reference outputs are still the
     task's own model's where it has one."""
-    run = Run(recipe=recipe, task=task, out=Path(out), cache=StepCache(cache or cache_dir()))
+    run = Run(
+        recipe=recipe,
+        task=task,
+        out=Path(out),
+        cache=StepCache(cache or cache_dir()),
+        runtimes=runtimes_for(recipe.target.runtime),
+    )
     run.out.mkdir(parents=True, exist_ok=True)
     if baseline is None:
         _baselines(run)
@@ -379,7 +395,7 @@ def _run_step(run: Run, cfg: StepConfig) -> None:
     for alt in run.alternatives[n_alt:]:
         alt.name = _unique_name(run, alt.name) if alt.name == cand.name else alt.name
     try:
-        if cand.onnx is not None:
+        if cand.onnx is not None and "onnxruntime" in run.runtimes:
             check_candidate(cand.onnx, run.threads)
         cand.accepted, cand.reason = _decide(run, cfg, parent, cand)
     except Exception as err:
@@ -388,7 +404,41 @@ def _run_step(run: Run, cfg: StepConfig) -> None:
         cand.accepted, cand.reason = False, f"failed: {error_text(err)}"
         cand.meta = {**cand.meta, "failure": _failure_record(err)}
     log.info("step %s: %s (%s)", cfg.kind, "ACCEPTED" if cand.accepted else "REJECTED", cand.reason)
-    run.chain.append(cand)
+    rivals = [a for a in run.alternatives[n_alt:] if a.meta.get("competes")]
+    run.chain.append(_compete(run, cfg, parent, cand, rivals))
+
+
+def _compete(
+    run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate, rivals: list[Candidate]
+) -> Candidate:
+    """Judge each rival the step built (an alternative marked ``competes``: NNCF's INT8 model)
+    against the same parent, on the same budget, like the chosen candidate. With one runtime
+    an accepted rival that is faster than the chosen one in a direct interleaved comparison
+    takes its place in the chain; with runtime auto every accepted rival is measured on both
+    runtimes and can be the pick. Returns the step's candidate for the chain."""
+    for rival in rivals:
+        try:
+            if rival.onnx is not None and "onnxruntime" in run.runtimes:
+                check_candidate(rival.onnx, run.threads)
+            rival.accepted, rival.reason = _decide(run, cfg, parent, rival)
+        except Exception as err:
+            if is_user_error(err):
+                raise
+            rival.accepted, rival.reason = False, f"failed: {error_text(err)}"
+        log.info("step %s rival %s: %s (%s)", cfg.kind, rival.name, rival.accepted, rival.reason)
+        if len(run.runtimes) == 1 and rival.accepted and _beats(run, rival, cand):
+            run.alternatives[run.alternatives.index(rival)] = cand
+            cand.meta = {**cand.meta, "replaced_by": rival.name}
+            cand = rival
+    return cand
+
+
+def _beats(run: Run, rival: Candidate, cand: Candidate) -> bool:
+    """``rival`` is faster than ``cand`` (or ``cand`` was rejected), measured interleaved."""
+    if not cand.accepted:
+        return True
+    lat = _compare(run, [cand, rival])
+    return bool(lat[rival.name]["latency_ms"]["p50"] < lat[cand.name]["latency_ms"]["p50"])
 
 
 def _reject_failed_step(run: Run, cfg: StepConfig, parent: Candidate, err: Exception) -> None:
@@ -433,24 +483,51 @@ def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tu
         }
     )
     cached = None if run.remeasure else run.cache.get_json("decision", key)
-    if cached is not None:
-        return bool(cached["accepted"]), str(cached["reason"])
-    accepted, reason = _judge(run, parent, cand)
-    run.cache.put_json("decision", key, {"accepted": accepted, "reason": reason})
-    return accepted, reason
+    if cached is None:
+        verdicts = _judge_runtimes(run, parent, cand)
+        accepted = any(v["accepted"] for v in verdicts.values())
+        if len(verdicts) == 1:
+            reason = next(iter(verdicts.values()))["reason"]
+        else:
+            reason = "; ".join(f"{rt}: {v['reason']}" for rt, v in verdicts.items())
+        cached = {"accepted": accepted, "reason": reason, "runtimes": verdicts}
+        run.cache.put_json("decision", key, cached)
+    if len(run.runtimes) > 1:
+        cand.meta = {**cand.meta, "runtime_verdicts": cached["runtimes"]}
+    return bool(cached["accepted"]), str(cached["reason"])
 
 
-def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
+def _judge_runtimes(run: Run, parent: Candidate, cand: Candidate) -> dict[str, dict[str, Any]]:
+    """The accept/reject verdict of ``cand`` against ``parent`` on each runtime of the run.
+
+    With several runtimes, a candidate (or its parent) that one runtime cannot load or run is
+    rejected on that runtime with the runtime's message; the other runtime's verdict stands."""
+    if len(run.runtimes) == 1:
+        ok, why = _judge(run, parent, cand, run.runtimes[0])
+        return {run.runtimes[0]: {"accepted": ok, "reason": why}}
+    verdicts: dict[str, dict[str, Any]] = {}
+    for rt in run.runtimes:
+        try:
+            ok, why = _judge(run, parent, cand, rt)
+        except Exception as err:
+            if is_user_error(err):
+                raise
+            ok, why = False, f"failed: {error_text(err)}"
+        verdicts[rt] = {"accepted": ok, "reason": why}
+    return verdicts
+
+
+def _judge(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> tuple[bool, str]:
     assert run.reference is not None
     ctx = _context(run, run.out)
-    quality = _quality(run, cand)
+    quality = _quality(run, cand, runtime)
     ok, budget_reason = ctx.within_budget(quality)
     if not ok:
         return False, budget_reason
     b = run.recipe.budget
     if b.objective == "size":
         return _judge_size(parent, cand, b.min_gain, budget_reason)
-    lat = _compare(run, [parent, cand])
+    lat = _compare(run, [parent, cand], runtime=runtime)
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     verdict, pair = speed_verdict(p, c, b.min_gain)
     if verdict == "inconclusive":
@@ -462,7 +539,7 @@ def _judge(run: Run, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
             parent.name,
             _pair_text(pair),
         )
-        again = _compare(run, [parent, cand], rounds=2 * run.recipe.bench.rounds)
+        again = _compare(run, [parent, cand], rounds=2 * run.recipe.bench.rounds, runtime=runtime)
         p = pool_rounds(p, again[parent.name]["latency_ms"])
         c = pool_rounds(c, again[cand.name]["latency_ms"])
         lat = again
@@ -503,14 +580,15 @@ def _judge_size(parent: Candidate, cand: Candidate, min_gain: float, why: str) -
 # measurement
 
 
-def _quality(run: Run, cand: Candidate) -> Quality:
+def _quality(run: Run, cand: Candidate, runtime: str | None = None) -> Quality:
+    """Metric and fidelity of ``cand`` on ``runtime`` (default: the run's first runtime)."""
     assert run.reference is not None
-    runner = make_runner(cand, run.threads, run.task.signature)
+    runner = make_runner(cand, run.threads, run.task.signature, runtime or run.runtimes[0])
     return evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
 
 
 def _compare(
-    run: Run, cands: list[Candidate], rounds: int | None = None
+    run: Run, cands: list[Candidate], rounds: int | None = None, runtime: str | None = None
 ) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
     bench = run.recipe.bench
@@ -522,6 +600,7 @@ def _compare(
         throughput=False,
         desc="compare " + " vs ".join(c.name for c in cands),
         signature=run.task.signature,
+        runtimes=[runtime or run.runtimes[0]],
     )
 
 
@@ -554,6 +633,8 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
 
 def _measure_all(run: Run) -> None:
     cands = [c for c in run.chain if not _failed(c)]
+    if len(run.runtimes) > 1:  # rivals (NNCF): measured on both; the pick if accepted there
+        cands += [a for a in run.alternatives if a.meta.get("competes") and not _failed(a)]
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
@@ -564,12 +645,18 @@ def _measure_all(run: Run) -> None:
     )
     cached = None if run.remeasure else run.cache.get_json("measure", key)
     if cached is None:
-        cached = _measure_fresh(run, cands)
+        cached = (
+            _measure_fresh(run, cands) if len(run.runtimes) == 1 else _measure_pairs(run, cands)
+        )
         run.cache.put_json("measure", key, cached)
     else:
         log.info("measurement: reusing cached figures (use --remeasure to measure again)")
     for c in cands:
         c.measurement = cached[c.name]
+    if len(run.runtimes) > 1:
+        from .pick import apply_pick
+
+        run.extra["runtime_pick"] = apply_pick(cands, run.runtimes)
     for alt in run.alternatives:
         alt.measurement = {**(alt.measurement or {}), "size_bytes": _size(alt)}
 
@@ -586,6 +673,7 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             run.threads,
             desc="measure all candidates",
             signature=run.task.signature,
+            runtimes=run.runtimes,
         )
     if _baseline_drift(figures) is not None:
         # The machine changed speed mid-benchmark. Time batch 1 again with twice the rounds
@@ -601,6 +689,7 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             throughput=False,
             desc="measure again (drift)",
             signature=run.task.signature,
+            runtimes=run.runtimes,
         )
         for c in cands:
             f, g = figures[c.name], again[c.name]
@@ -621,15 +710,86 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     # a model that takes one row per call is measured on one row; its runner is a plain session
     rss_sample = sample if sig is None or sig.max_batch is None else run.task.sample_inputs(1)
     for c in cands:
-        q = _quality(run, c)
-        f = figures[c.name]
-        f["metric"] = {"name": run.task.metric_name, "value": q.metric}
-        f["fidelity"] = q.fidelity_dict()
-        f["size_bytes"], f["params"] = _size(c), _params(c)
-        rss = peak_rss(c, rss_sample, run.threads, run.task.source) if bench.peak_rss else None
-        f["peak_rss_mb"] = rss["peak_rss_mb"] if rss else None
-        f["rss"] = rss
+        _add_quality_and_memory(run, c, figures[c.name], rss_sample, run.runtimes[0])
     return figures
+
+
+def _rss_sample(run: Run) -> Any:
+    sig = run.task.signature
+    # a model that takes one row per call is measured on one row; its runner is a plain session
+    if sig is None or sig.max_batch is None:
+        return run.task.sample_inputs(max(run.recipe.bench.batch_sizes))
+    return run.task.sample_inputs(1)
+
+
+def _add_quality_and_memory(
+    run: Run, c: Candidate, f: dict[str, Any], rss_sample: Any, runtime: str
+) -> Quality:
+    """Metric, fidelity, size, parameters and peak RSS of ``c`` on ``runtime``, into ``f``."""
+    q = _quality(run, c, runtime)
+    f["metric"] = {"name": run.task.metric_name, "value": q.metric}
+    f["fidelity"] = q.fidelity_dict()
+    f["size_bytes"], f["params"] = _size(c), _params(c)
+    bench = run.recipe.bench
+    rss = (
+        peak_rss(c, rss_sample, run.threads, run.task.source, runtime=runtime)
+        if bench.peak_rss
+        else None
+    )
+    f["peak_rss_mb"] = rss["peak_rss_mb"] if rss else None
+    f["rss"] = rss
+    return q
+
+
+def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
+    """Runtime auto: every candidate on every runtime, interleaved in one benchmark; each
+    (runtime, candidate) pair's quality checked against the budget on its own outputs.
+    Returns ``{candidate: {"runtimes": {runtime: figures}}}``; a pair a runtime cannot load or
+    run has ``{"failed": why}``."""
+    from .runtimes import split_pair_name
+
+    bench: BenchConfig = run.recipe.bench
+    sample = run.task.sample_inputs(max(bench.batch_sizes))
+    before = _load_check(run, "before")
+    with _timed("benchmark (interleaved, every runtime)"):
+        figures = benchmark(
+            cands,
+            sample,
+            bench,
+            run.threads,
+            desc="measure all (runtime, candidate) pairs",
+            signature=run.task.signature,
+            runtimes=run.runtimes,
+        )
+    after = _load_check(run, "after")
+    run.extra["measurement_conditions"] = {
+        "round_spread": {
+            k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f
+        },
+        "other_cores_before": before["other_cores"],
+        "other_cores_after": after["other_cores"],
+        "load_before": before["load"],
+        "load_after": after["load"],
+        "cores": os.cpu_count(),
+        "threads": run.threads,
+    }
+    by_name = {c.name: c for c in cands}
+    ctx = _context(run, run.out)
+    out: dict[str, dict[str, Any]] = {c.name: {"runtimes": {}} for c in cands}
+    for key, f in figures.items():
+        rt, name = split_pair_name(key)
+        out[name]["runtimes"][rt] = f
+        if "failed" in f:
+            continue
+        try:
+            q = _add_quality_and_memory(run, by_name[name], f, _rss_sample(run), rt)
+        except Exception as err:
+            if is_user_error(err):
+                raise
+            out[name]["runtimes"][rt] = {"failed": error_text(err)}
+            continue
+        f["within_budget"], f["budget_reason"] = ctx.within_budget(q)
+    return out
 
 
 def _baseline_name(figures: dict[str, dict[str, Any]]) -> str:
@@ -696,16 +856,24 @@ def _profile(run: Run) -> None:
     sample = run.task.sample_inputs(1)
     targets = {
         c.name: c
-        for c in run.chain
+        for c in [*run.chain, *run.alternatives]
         if c.onnx is not None and (c.name == "fp32-onnx" or c.accepted) and not _failed(c)
     }
     selected = _selected(run)
     profiles = {}
+    ov_profiles = {}
     for name in sorted({"fp32-onnx", selected.name} & set(targets)):
         path = targets[name].onnx
         assert path is not None
-        profiles[name] = profile_ops(path, sample, run.threads)
+        if "onnxruntime" in run.runtimes:
+            profiles[name] = profile_ops(path, sample, run.threads)
+        if "openvino" in run.runtimes:
+            from .measure.ov_profile import ov_profile_ops
+
+            ov_profiles[name] = ov_profile_ops(path, sample, run.threads)
     run.extra["profiles"] = profiles
+    if ov_profiles:
+        run.extra["profiles_openvino"] = ov_profiles
     baseline = run.baseline.onnx
     assert baseline is not None
     run.extra["weight_distributions"] = weight_stats(baseline)
@@ -716,6 +884,9 @@ def _profile(run: Run) -> None:
 
 
 def _selected(run: Run) -> Candidate:
+    pick = run.extra.get("runtime_pick") or {}
+    if pick.get("candidate"):
+        return next(c for c in [*run.chain, *run.alternatives] if c.name == pick["candidate"])
     return next(
         (c for c in reversed(run.chain) if c.accepted and c.onnx is not None), run.chain[-1]
     )
@@ -736,10 +907,15 @@ def _entry(run: Run, c: Candidate) -> dict[str, Any]:
         "accepted": bool(c.accepted),
         "reason": c.reason,
         "artifact": artifact,
-        "runtime": None if _failed(c) and c.onnx is None else c.runtime,
+        "runtime": None if _failed(c) and c.onnx is None else _served_on(run, c),
         **m,
         "meta": c.meta,
     }
+
+
+def _served_on(run: Run, c: Candidate) -> str:
+    """The runtime a candidate's top-level figures were measured on."""
+    return run.serving_runtime if c.onnx is not None else c.runtime
 
 
 def write_manifest(run: Run, status: str) -> None:
@@ -766,6 +942,8 @@ def write_manifest(run: Run, status: str) -> None:
         "step_versions": {s.kind: spec_for(s).version for s in run.recipe.steps},
         "hardware": hardware(),
         "target": run.recipe.target.model_dump(),
+        "runtimes": {rt: runtime_record(rt, run.threads) for rt in run.runtimes},
+        "selected_runtime": run.serving_runtime if run.chain else None,
         "selected": _selected(run).name if run.chain else None,
         "reference_metric": run.reference.metric if run.reference else None,
         "candidates": chain + alts,

@@ -42,7 +42,9 @@ S = TypeVar("S", bound=StepConfig)
 
 
 class TargetConfig(Config):
-    runtime: Literal["onnxruntime"] = "onnxruntime"
+    # auto: every candidate measured on both, the fastest (runtime, candidate) pair within
+    # budget served (see slimline.runtimes); openvino and auto need `slimline[openvino]`
+    runtime: Literal["onnxruntime", "openvino", "auto"] = "onnxruntime"
     provider: Literal["CPUExecutionProvider"] = "CPUExecutionProvider"
     threads: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
 

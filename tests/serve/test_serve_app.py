@@ -1,4 +1,5 @@
-"""The HTTP server end to end on real ONNX Runtime models: endpoints, validation, metrics."""
+"""The HTTP server end to end on real models, on ONNX Runtime and on OpenVINO: endpoints,
+validation, metrics."""
 
 from __future__ import annotations
 
@@ -39,10 +40,15 @@ def infer_body(x: np.ndarray, name: str = "x", datatype: str = "FP32", **extra: 
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["onnxruntime", "openvino"])
+def server(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The same server on each runtime: every test through ``client`` runs on both."""
+    if request.param == "openvino":
+        pytest.importorskip("openvino", reason="the openvino extra is not installed")
     models = load_served_models(
-        [model_dir / "tiny.onnx", model_dir / "tokens.onnx", model_dir / "fixed.onnx"], threads=1
+        [model_dir / "tiny.onnx", model_dir / "tokens.onnx", model_dir / "fixed.onnx"],
+        threads=1,
+        runtime=request.param,
     )
     settings = ServeSettings(
         port=0, batching=BatcherConfig(max_batch_size=8, max_queue_delay_ms=1.0),

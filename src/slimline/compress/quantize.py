@@ -187,6 +187,10 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         for n in t.notes:
             ctx.warn(f"quantize: {n}")
     ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
+    if cfg.nncf:
+        from .nncf_ptq import nncf_alternative
+
+        ctx.alternatives.append(nncf_alternative(cand, ctx, cfg.samples))
     return Candidate(
         name="quantize",
         step="quantize",

@@ -25,7 +25,7 @@ import shlex
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -49,6 +49,9 @@ class ServeSetting(Config):
     instances: int = Field(1, ge=1)
     threads: int | None = Field(None, ge=1, description="default: cores / instances")
     ort_spinning: bool = Field(False, description="idle ONNX Runtime threads spin-wait")
+    runtime: Literal["onnxruntime", "openvino"] | None = Field(
+        None, description="the runtime to serve on; default: ONNX Runtime"
+    )
 
     def args(self) -> list[str]:
         threads = self.threads or max(1, (os.cpu_count() or 1) // self.instances)
@@ -57,7 +60,9 @@ class ServeSetting(Config):
             "--max-queue-delay-ms", f"{self.max_queue_delay_ms:g}",
             "--instances", str(self.instances),
             "--threads", str(threads),
-        ] + (["--ort-spinning"] if self.ort_spinning else [])  # fmt: skip
+        ] + (["--ort-spinning"] if self.ort_spinning else []) + (
+            ["--runtime", self.runtime] if self.runtime else []
+        )  # fmt: skip
 
 
 class TuneConfig(Config):
@@ -256,7 +261,9 @@ def tune_serving(
     variants = run_variants(run_dir, cfg.variants)
     payloads = build_payloads(load_samples(str(run_dir)), cfg.encoding)
     search = _Search(cfg, variants, payloads, start_server, stop)
-    default = ServeSetting()
+    # the runtime the run picked (runtime auto or openvino); ONNX Runtime when it names none
+    picked = json.loads((run_dir / "manifest.json").read_text()).get("selected_runtime")
+    default = ServeSetting(runtime=picked if picked == "openvino" else None)
     for v in variants:  # stage 1: variants at the default settings, with and without spinning
         for spin in dict.fromkeys([False, *cfg.ort_spinning]):
             search.measure(v, default.model_copy(update={"ort_spinning": spin}), "variants")

@@ -8,6 +8,7 @@ the per-round values, so a reader can tell a real difference from noise.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -195,13 +196,19 @@ def benchmark(
     throughput: bool = True,
     desc: str = "benchmark",
     signature: Signature | None = None,
+    runtimes: Sequence[str] = ("onnxruntime",),
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
-    interleaved."""
+    interleaved.
+
+    With one runtime the results are keyed by candidate name. With several, every ONNX
+    candidate runs on each (interleaved in the same rounds) and is keyed by
+    :func:`~slimline.runtimes.pair_name`; a pair that runtime cannot load gets ``{"failed":
+    message}`` and the other pairs are measured."""
     torch_runs = any(c.onnx is None for c in cands)
     # pinned once for the whole benchmark, so that a torch runner changes nothing per call
     with torch_threads(threads) if torch_runs else nullcontext():
-        return _benchmark(cands, sample, bench, threads, throughput, desc, signature)
+        return _benchmark(cands, sample, bench, threads, throughput, desc, signature, runtimes)
 
 
 def _benchmark(
@@ -212,8 +219,12 @@ def _benchmark(
     throughput: bool,
     desc: str,
     signature: Signature | None,
+    runtimes: Sequence[str] = ("onnxruntime",),
 ) -> dict[str, dict[str, Any]]:
-    runners = [make_runner(c, threads, signature) for c in cands]
+    keyed, failed = _runners(cands, threads, signature, runtimes)
+    if not keyed:
+        return failed
+    names, runners = [k for k, _ in keyed], [r for _, r in keyed]
     one = tile_batch(sample, 1, signature)
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
     batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
@@ -235,8 +246,8 @@ def _benchmark(
                 for b, x in batches.items():
                     tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
                 bar.update(1)
-    results: dict[str, dict[str, Any]] = {}
-    for c, rounds, cpu_rounds, tp in zip(cands, lat, cpu, tput, strict=True):
+    results: dict[str, dict[str, Any]] = dict(failed)
+    for name, rounds, cpu_rounds, tp in zip(names, lat, cpu, tput, strict=True):
         entry: dict[str, Any] = {
             "latency_ms": summarize_latency(rounds),
             "cpu_ms": _summarize_cpu(cpu_rounds),
@@ -247,5 +258,27 @@ def _benchmark(
             entry["throughput_band"] = {str(b): [min(v), max(v)] for b, v in tp.items()}
         if not_applicable:
             entry["throughput_not_applicable"] = not_applicable
-        results[c.name] = entry
+        results[name] = entry
     return results
+
+
+def _runners(
+    cands: list[Candidate], threads: int, sig: Signature | None, runtimes: Sequence[str]
+) -> tuple[list[tuple[str, Runner]], dict[str, dict[str, Any]]]:
+    """(key, runner) per measured pair; with several runtimes, ``{"failed": why}`` per pair a
+    runtime cannot load (with one runtime a load failure raises, as before)."""
+    from ..errors import CandidateError
+    from ..runtimes import pair_name
+
+    if len(runtimes) == 1:
+        return [(c.name, make_runner(c, threads, sig, runtimes[0])) for c in cands], {}
+    keyed: list[tuple[str, Runner]] = []
+    failed: dict[str, dict[str, Any]] = {}
+    for c in cands:
+        for rt in runtimes if c.onnx is not None else ["torch"]:
+            key = pair_name(rt, c.name)
+            try:
+                keyed.append((key, make_runner(c, threads, sig, rt)))
+            except CandidateError as err:
+                failed[key] = {"failed": str(err)}
+    return keyed, failed

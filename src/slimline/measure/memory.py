@@ -42,13 +42,14 @@ def peak_rss(
     task_source: str | None,
     runs: int = 20,
     timeout: float = 600,
+    runtime: str = "onnxruntime",
 ) -> dict[str, float] | None:
     """Peak RSS for an ONNX candidate, or a torch candidate rebuilt from its task's factory.
 
     Returns ``None`` for a torch module that cannot be rebuilt in a fresh process.
     """
     if cand.onnx is not None:
-        target = ["--onnx", str(cand.onnx)]
+        target = ["--onnx", str(cand.onnx), "--runtime", runtime]
     elif cand.step == "fp32" and task_source is not None:
         target = ["--task", task_source]
     else:
@@ -85,16 +86,24 @@ def _worker(argv: list[str]) -> dict[str, Any]:
     p.add_argument("--inputs", required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--runtime", default="onnxruntime")
     a = p.parse_args(argv)
     with np.load(a.inputs) as z:
         inputs = {k: z[k] for k in z.files}
     from .runners import OrtRunner, TorchRunner  # the runtime's import cost is the baseline
 
+    if a.runtime == "openvino":
+        from .ov import OvRunner, require_openvino
+
+        require_openvino()
+
     if a.task:
         import torch  # noqa: F401
     base = _rss_mb()
-    if a.onnx:
-        runner: Any = OrtRunner("m", Path(a.onnx), a.threads)
+    if a.onnx and a.runtime == "openvino":
+        runner: Any = OvRunner("m", Path(a.onnx), a.threads)
+    elif a.onnx:
+        runner = OrtRunner("m", Path(a.onnx), a.threads)
     else:
         from ..task import load_task
 

@@ -283,7 +283,18 @@ class TorchRunner:
         return {"output": self.run(inputs)}
 
 
-def make_runner(cand: Candidate, threads: int, signature: Signature | None = None) -> Runner:
+def make_runner(
+    cand: Candidate,
+    threads: int,
+    signature: Signature | None = None,
+    runtime: str = "onnxruntime",
+) -> Runner:
+    """A runner for ``cand``: its ONNX file on ``runtime`` (``onnxruntime`` or ``openvino``),
+    else its torch module."""
+    if cand.onnx is not None and runtime == "openvino":
+        from .ov import OvRunner
+
+        return OvRunner(cand.name, cand.onnx, threads, signature)
     if cand.onnx is not None:
         return OrtRunner(cand.name, cand.onnx, threads, signature)
     if cand.module is not None:

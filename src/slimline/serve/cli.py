@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="local: this process; ray: a Ray Serve application")  # fmt: skip
     p.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (--backend ray)")
+    p.add_argument("--runtime", choices=["onnxruntime", "openvino"], default=None,
+                   help="serve on this runtime (default: the one the run picked; ONNX Runtime "
+                   "for a .onnx file)")  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -127,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     from .server import serve_forever
 
     paths = [Path(m) for m in args.models]
-    models = load_served_models(paths, settings.threads, spinning=settings.ort_spinning)
+    models = load_served_models(
+        paths, settings.threads, spinning=settings.ort_spinning, runtime=args.runtime
+    )
     serve_forever(models, settings)
     return 0
 

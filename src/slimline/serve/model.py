@@ -1,4 +1,5 @@
-"""What the server runs: one small backend interface, an ONNX Runtime backend, and a fake.
+"""What the server runs: one small backend interface, an ONNX Runtime backend, an OpenVINO
+backend, and a fake.
 
 ``InferenceBackend.run(inputs) -> outputs`` takes and returns ``{name: np.ndarray}`` with the
 batch on axis 0. Its metadata (names, dtypes, shapes with ``None`` for free dimensions) is read
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ManifestError, ModelFileError, ServeError
+from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
 
 __all__ = [
@@ -26,9 +28,11 @@ __all__ = [
     "InferenceBackend",
     "ModelInputError",
     "OrtBackend",
+    "OvBackend",
     "ServedModel",
     "TensorSpec",
     "load_served_models",
+    "make_backend",
     "ort_serving_session",
     "resolve_model_path",
 ]
@@ -125,6 +129,68 @@ def _spec(arg: Any) -> TensorSpec:
     return TensorSpec(arg.name, ORT_TO_NP[arg.type], shape, names)
 
 
+def _tensor_spec(value_info: Any) -> TensorSpec:
+    from onnx import helper
+
+    t = value_info.type.tensor_type
+    try:
+        dtype = str(np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)))
+    except (KeyError, TypeError):
+        raise ModelFileError(
+            f"tensor {value_info.name!r} has an element type the server cannot carry; serve a "
+            "model with numeric or bool inputs and outputs"
+        ) from None
+    dims = list(t.shape.dim) if t.HasField("shape") else []
+    shape = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+    names = tuple(d.dim_param or None for d in dims)
+    return TensorSpec(value_info.name, dtype, shape, names)
+
+
+def onnx_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Input and output specs as the ONNX graph declares them (initializers excluded)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [_tensor_spec(v) for v in model.graph.input if v.name not in inits]
+    return inputs, [_tensor_spec(v) for v in model.graph.output]
+
+
+class OvBackend:
+    """An OpenVINO compiled model on the CPU; ``threads`` inference threads per call. Its
+    metadata (names, dtypes, shapes, symbolic dimension names) is read from the ONNX graph, as
+    ONNX Runtime reports it, so both backends describe a model the same way; each calling
+    thread gets its own infer request (calls may overlap, as with an ONNX Runtime session)."""
+
+    platform = "openvino_onnx"
+
+    def __init__(self, path: Path, threads: int = 1) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(f"ONNX file {path} does not exist; check the path")
+        self.compiled = ov_compile(self.path, threads, user_model=True)
+        self.inputs, self.outputs = onnx_specs(self.path)
+        ports = {p.get_any_name(): p for p in self.compiled.outputs if p.get_names()}
+        self._ports = [ports[o.name] for o in self.outputs]
+        self._local = threading.local()
+
+    def _request(self) -> Any:
+        req = getattr(self._local, "request", None)
+        if req is None:
+            req = self._local.request = self.compiled.create_infer_request()
+        return req
+
+    def run(self, inputs: Tensors) -> Tensors:
+        feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
+        try:
+            result = self._request().infer(feed)
+        except RuntimeError as err:  # shapes the graph cannot take (checked by OpenVINO)
+            raise ModelInputError(ov_message(err)[:300]) from None
+        return {
+            o.name: np.asarray(result[p]) for o, p in zip(self.outputs, self._ports, strict=True)
+        }
+
+
 class FakeBackend:
     """A backend for tests: ``fn(inputs) -> outputs`` after ``delay_s``; records each batch."""
 
@@ -215,14 +281,20 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
     onnx_path = run_dir / cand["artifact"]
     if not onnx_path.is_file():
         raise ModelFileError(f"run {run_dir}: artifact {onnx_path} is missing; rerun the pipeline")
-    meta = {"source": str(run_dir), "candidate": selected, "run_status": manifest.get("status")}
+    meta = {
+        "source": str(run_dir),
+        "candidate": selected,
+        "run_status": manifest.get("status"),
+        "runtime": manifest.get("selected_runtime") or "onnxruntime",
+    }
     return str(name), onnx_path, meta
 
 
 def load_served_models(
-    paths: list[Path], threads: int = 1, *, spinning: bool = False
+    paths: list[Path], threads: int = 1, *, spinning: bool = False, runtime: str | None = None
 ) -> list[ServedModel]:
-    """Load each path as an ONNX Runtime model; two paths may not share a served name."""
+    """Load each path on ``runtime``, or (``None``) on the runtime its run picked (ONNX
+    Runtime for a bare ``.onnx`` file); two paths may not share a served name."""
     models: list[ServedModel] = []
     for path in paths:
         name, onnx_path, meta = resolve_model_path(Path(path))
@@ -231,6 +303,17 @@ def load_served_models(
                 f"two models are both named {name!r}; serve them from separate processes or "
                 "rename one .onnx file"
             )
-        backend = OrtBackend(onnx_path, threads, spinning=spinning)
+        chosen = runtime or meta.get("runtime") or "onnxruntime"
+        meta = {**meta, "runtime": chosen}
+        backend = make_backend(onnx_path, threads, chosen, spinning=spinning)
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models
+
+
+def make_backend(
+    path: Path, threads: int, runtime: str = "onnxruntime", *, spinning: bool = False
+) -> InferenceBackend:
+    """The serving backend for ``path`` on ``runtime`` (``onnxruntime`` or ``openvino``)."""
+    if runtime == "openvino":
+        return OvBackend(path, threads)
+    return OrtBackend(path, threads, spinning=spinning)

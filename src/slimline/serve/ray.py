@@ -32,7 +32,7 @@ from ray import serve
 from ..errors import ServeError
 from .app import ServerState, ServeSettings, build_app
 from .batcher import BatcherConfig
-from .model import OrtBackend, ServedModel, resolve_model_path
+from .model import ServedModel, make_backend, resolve_model_path
 from .server import READY_LINE
 
 __all__ = [
@@ -83,7 +83,8 @@ def load_blobs(blobs: list[ModelBlob], settings: ServeSettings) -> list[ServedMo
         for name, data, meta in blobs:
             path = Path(tmp) / f"{name}.onnx"
             path.write_bytes(data)
-            backend = OrtBackend(path, settings.threads, spinning=settings.ort_spinning)
+            runtime = meta.get("runtime") or "onnxruntime"  # the run's pick, as served locally
+            backend = make_backend(path, settings.threads, runtime, spinning=settings.ort_spinning)
             models.append(ServedModel(name, backend, source=meta.get("source", ""), meta=meta))
     return models
 

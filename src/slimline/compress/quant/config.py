@@ -55,6 +55,11 @@ class QuantizeConfig(StepConfig):
     layerwise_samples: int = Field(16, ge=1, le=1024)
     representativeness_samples: int = Field(64, ge=0, le=10_000)
     calibration_chunk_mb: int = Field(128, ge=16, le=16_384)
+    nncf: bool = Field(
+        False,
+        description="also build NNCF's PTQ model (slimline[openvino]) from the same float graph "
+        "and calibration data; it competes with the chosen QDQ candidate on the same budget",
+    )
 
     @field_validator("precision")
     @classmethod

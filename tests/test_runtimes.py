@@ -1,0 +1,115 @@
+"""Runtime selection: the target's runtimes, the error without the OpenVINO package, the pick
+among (runtime, candidate) pairs, and a runtime-auto run end to end on the tiny task."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from slimline.errors import RuntimeMissingError, is_user_error
+from slimline.pipeline import run_recipe
+from slimline.recipe import TargetConfig, recipe_from_dict
+from slimline.runtimes import Pair, pair_name, pick_pair, runtimes_for, split_pair_name
+
+
+def test_target_runtime_takes_the_two_runtimes_and_auto_only() -> None:
+    for rt in ("onnxruntime", "openvino", "auto"):
+        assert TargetConfig(runtime=rt).runtime == rt
+    with pytest.raises(ValidationError):
+        TargetConfig(runtime="tensorrt")  # type: ignore[arg-type]
+    assert runtimes_for("onnxruntime") == ["onnxruntime"]
+
+
+def test_pair_names_round_trip() -> None:
+    assert split_pair_name(pair_name("openvino", "quantize-nncf")) == ("openvino", "quantize-nncf")
+
+
+@pytest.fixture
+def no_openvino(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
+
+
+@pytest.mark.usefixtures("no_openvino")
+@pytest.mark.parametrize("runtime", ["openvino", "auto"])
+def test_openvino_without_the_package_names_the_extra(runtime: str) -> None:
+    with pytest.raises(RuntimeMissingError, match=r"pip install 'slimline\[openvino\]'") as info:
+        runtimes_for(runtime)
+    assert is_user_error(info.value) and "\n" not in str(info.value)
+    assert runtimes_for("onnxruntime") == ["onnxruntime"]  # ONNX Runtime needs nothing more
+
+
+@pytest.mark.usefixtures("no_openvino")
+def test_a_run_on_openvino_without_the_package_stops_before_any_work(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
+    recipe = recipe_from_dict({**tiny_recipe, "target": {"threads": 1, "runtime": "openvino"}})
+    with pytest.raises(RuntimeMissingError, match=r"slimline\[openvino\]"):
+        run_recipe(recipe, tmp_path / "run", cache=cache)
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+def _pair(rt: str, cand: str, p50: float, ok: bool = True, eligible: bool = True) -> Pair:
+    return Pair(rt, cand, p50, within_budget=ok, eligible=eligible)
+
+
+def test_the_pick_is_the_fastest_eligible_pair_within_budget() -> None:
+    pairs = [
+        _pair("onnxruntime", "fp32-onnx", 10.0),
+        _pair("openvino", "fp32-onnx", 9.0),
+        _pair("onnxruntime", "quantize", 4.0),
+        _pair("openvino", "quantize", 3.0, ok=False),  # fastest, but over budget
+        _pair("openvino", "quantize-nncf", 2.0, eligible=False),  # not faster than its parent
+        _pair("openvino", "graph", 3.5),
+    ]
+    assert pick_pair(pairs) == pairs[5]
+    assert pick_pair(pairs[:2]) == pairs[1]
+    assert pick_pair([_pair("openvino", "q", 1.0, ok=False)]) is None
+
+
+def test_runtime_auto_measures_every_pair_and_serves_the_pick(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    raw = {
+        **tiny_recipe,
+        "target": {"threads": 1, "runtime": "auto"},
+        "steps": ["export", {"quantize": {"mode": "static", "samples": 16, "nncf": True}}],
+    }
+    run = run_recipe(recipe_from_dict(raw), tmp_path / "run", cache=cache)
+    m = json.loads((run.out / "manifest.json").read_text())
+    assert set(m["runtimes"]) == {"onnxruntime", "openvino"}
+    assert m["runtimes"]["openvino"]["settings"]["INFERENCE_NUM_THREADS"] == 1
+    assert m["runtimes"]["openvino"]["settings"]["ENABLE_HYPER_THREADING"] is False
+    assert m["runtimes"]["onnxruntime"]["settings"]["intra_op_num_threads"] == 1
+    by_name = {c["name"]: c for c in m["candidates"]}
+    for name in ("fp32-onnx", "quantize", "quantize-nncf"):
+        runtimes = by_name[name]["runtimes"]
+        assert set(runtimes) == {"onnxruntime", "openvino"}, name
+        for f in runtimes.values():
+            assert f["latency_ms"]["rounds"] == 4 and f["fidelity"]["cosine_mean"] > 0.9
+    assert set(by_name["quantize"]["meta"]["runtime_verdicts"]) == {"onnxruntime", "openvino"}
+    pick = m["runtime_pick"]
+    eligible = [p for p in pick["pairs"] if p["eligible"] and p["within_budget"]]
+    fastest = min(eligible, key=lambda p: p["p50_ms"])
+    assert (m["selected"], m["selected_runtime"]) == (fastest["candidate"], fastest["runtime"])
+    chosen = by_name[m["selected"]]
+    assert chosen["runtime"] == m["selected_runtime"]
+    assert chosen["latency_ms"] == chosen["runtimes"][m["selected_runtime"]]["latency_ms"]
+    kinds = {(r["runtime"], r["kind"]) for r in pick["side_by_side"]}
+    assert {("onnxruntime", "FP32"), ("openvino", "FP32")} <= kinds
+    assert "fp32-onnx" in m["profiles_openvino"]  # per-operator time on OpenVINO too
+    assert m["profiles_openvino"]["fp32-onnx"]["by_op_type"]
+
+    from slimline.serve import load_served_models
+
+    (served,) = load_served_models([run.out], threads=1)
+    assert served.meta["runtime"] == m["selected_runtime"]
+    other = "openvino" if m["selected_runtime"] == "onnxruntime" else "onnxruntime"
+    (overridden,) = load_served_models([run.out], threads=1, runtime=other)
+    assert overridden.meta["runtime"] == other
+    assert overridden.backend.platform.startswith(other)
