@@ -327,7 +327,49 @@ def markdown(results: list[dict[str, Any]], command: str, conditions: str) -> st
     ]
     for r in results:
         lines += _model_section(r)
+    lines += _targets(results)
     return "\n".join([*lines, *reproduce_footer(command)])
+
+
+# issue 3's targets: (model, what, measured value of a result, bound, higher is better)
+_TARGETS: list[tuple[str, str, str, float, bool]] = [
+    ("minilm", "latency / FP32 ORT", "ratio", 0.50, False),
+    ("minilm", "mean cosine of embeddings", "cosine", 0.99, True),
+    ("minilm", "metric change vs FP32 (Lee Pearson, within 0.01)", "metric_drop", 0.01, False),
+    ("minilm", "whole quantize step, s", "step_s", 180.0, False),
+    ("resnet18", "latency / FP32 ORT", "ratio", 0.36, False),
+    ("resnet18", "whole quantize step, s", "step_s", 180.0, False),
+]
+
+
+def _measured(r: dict[str, Any], what: str) -> float:
+    fp32, auto = r["rows"][0], r["rows"][-1]
+    if what == "ratio":
+        return float(auto["latency"]["p50"] / fp32["latency"]["p50"])
+    if what == "cosine":
+        return float(auto["quality"].cosine_mean)
+    if what == "metric_drop":
+        return float(fp32["quality"].metric - auto["quality"].metric)
+    return float(auto["step_s"])
+
+
+def _targets(results: list[dict[str, Any]]) -> list[str]:
+    """Issue 3's targets against this run's slimline auto figures (only the models measured)."""
+    by_name = {r["name"]: r for r in results}
+    rows = []
+    for model, what, key, bound, higher in _TARGETS:
+        if model not in by_name:
+            continue
+        value = _measured(by_name[model], key)
+        met = value >= bound if higher else value <= bound
+        sign = ">=" if higher else "<="
+        rows.append(
+            f"| {model} | {what} {sign} {bound:g} | {value:.4g} | {'yes' if met else 'no'} |"
+        )
+    if not rows:
+        return []
+    head = ["## Against the targets (issue 3), slimline auto in this run", ""]
+    return [*head, "| model | target | measured | met |", "|---|---|---|---|", *rows, ""]
 
 
 def _doc(results: list[dict[str, Any]], conditions: str) -> dict[str, Any]:
