@@ -127,7 +127,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=1,
+    version=2,  # 2: equal-speed candidates of one size go to the more faithful
     reads=("target", "budget", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )

@@ -11,6 +11,7 @@ from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import Prepared
 from slimline.cpu import CpuInt8
 from slimline.errors import RecipeError
+from slimline.measure.quality import Quality
 from slimline.recipe import recipe_from_dict
 
 VNNI = CpuInt8("x86_64", frozenset({"avx2", "avx512bw", "avx512_vnni"}))
@@ -225,6 +226,18 @@ def test_latency_ties_go_to_the_smaller_file(tmp_path: Path) -> None:
     # a few bytes smaller is no reason to give up the fastest median
     same_size = _trial(tmp_path, "d", 590, [5.2, 5.2, 5.3, 5.5, 5.3])
     assert pick([fastest, same_size], "latency", 0.03) is fastest
+
+
+def test_latency_ties_of_one_size_go_to_the_more_faithful(tmp_path: Path) -> None:
+    fastest = _trial(tmp_path, "a", 600, [5.0, 5.3, 4.8, 6.0, 5.1])
+    as_fast = _trial(tmp_path, "b", 600, [5.2, 5.2, 5.3, 5.5, 5.3])
+    fastest.quality = Quality(0.98, 0.9966, 0.98, 0.1, 1.0)
+    as_fast.quality = Quality(0.98, 0.9999, 0.999, 0.01, 1.0)
+    assert pick([fastest, as_fast], "latency", 0.03) is as_fast
+    # measurably slower: fidelity beyond the budget buys no speed back
+    slower = _trial(tmp_path, "c", 600, [r * 1.1 for r in [5.0, 5.3, 4.8, 6.0, 5.1]])
+    slower.quality = as_fast.quality
+    assert pick([fastest, slower], "latency", 0.03) is fastest
 
 
 def test_forced_dynamic_mode_quantizes_tables_only_where_there_are_some(tmp_path: Path) -> None:

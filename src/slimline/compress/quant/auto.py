@@ -372,10 +372,12 @@ def search(
 
 def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
     """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
-    Objective ``latency``: the fastest median, unless a file at least ``min_gain`` smaller runs
-    as fast as this run can tell (the fastest one does not pass the pipeline's own speed test
-    against it: ``min_gain`` faster at the median of per-round ratios, confirmed by separated
-    bands or the sign test over the interleaved rounds): then the smallest such file."""
+    Objective ``latency``: among the candidates that run as fast as the fastest median as far
+    as this run can tell (the fastest one does not pass the pipeline's own speed test against
+    them: ``min_gain`` faster at the median of per-round ratios, confirmed by separated bands or
+    the sign test over the interleaved rounds), the smallest file if one is at least ``min_gain``
+    smaller, else the most faithful (mean cosine to FP32), the faster median breaking a tie.
+    Which of two equally fast candidates has the lower median is noise; their fidelity is not."""
     if objective == "size":
         return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
     fastest = min(good, key=lambda t: t.p50())
@@ -386,8 +388,11 @@ def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
         assert t.latency is not None
         return speed_verdict(t.latency, best, min_gain)[0] != "faster"
 
-    smaller = [t for t in good if t.size <= (1.0 - min_gain) * fastest.size and as_fast(t)]
-    return min(smaller, key=lambda t: (t.size, t.p50())) if smaller else fastest
+    ties = [t for t in good if t is fastest or as_fast(t)]
+    smaller = [t for t in ties if t.size <= (1.0 - min_gain) * fastest.size]
+    if smaller:
+        return min(smaller, key=lambda t: (t.size, t.p50()))
+    return max(ties, key=lambda t: (t.quality.cosine_mean if t.quality else -1.0, -t.p50()))
 
 
 def _best_effort(s: Search) -> Trial:
