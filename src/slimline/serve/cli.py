@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["local", "ray"], default="local",
                    help="local: this process; ray: a Ray Serve application")  # fmt: skip
     p.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (--backend ray)")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="peak RSS budget per model: run the fastest measured ONNX Runtime setting "
+                   "that fits (default: the run's recorded memory profile, if any)")  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -127,9 +130,20 @@ def run(args: argparse.Namespace) -> int:
     from .server import serve_forever
 
     paths = [Path(m) for m in args.models]
-    models = load_served_models(paths, settings.threads, spinning=settings.ort_spinning)
+    models = load_served_models(
+        paths, settings.threads, spinning=settings.ort_spinning, memory=_memory(args, settings)
+    )
     serve_forever(models, settings)
     return 0
+
+
+def _memory(args: argparse.Namespace, settings: ServeSettings) -> Any:
+    from ..edge.serving import serving_memory
+
+    budget = getattr(args, "memory_mb", None)
+    if budget is not None and budget <= 0:
+        raise ServeError(f"--memory-mb is {budget:g}; give a positive number of MB")
+    return serving_memory(budget, settings.threads, settings.batching.max_batch_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..edge.setting import MemorySetting
 from ..errors import ManifestError, ModelFileError, ServeError
 from ..measure.runners import ORT_TO_NP
 
@@ -71,9 +72,18 @@ class OrtBackend:
 
     platform = "onnxruntime_onnx"
 
-    def __init__(self, path: Path, threads: int = 1, *, spinning: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        threads: int = 1,
+        *,
+        spinning: bool = False,
+        memory: MemorySetting | None = None,
+    ) -> None:
         self.path = Path(path)
-        self.session = ort_serving_session(self.path, threads, spinning=spinning)
+        self.memory = memory
+        self.session = ort_serving_session(self.path, threads, spinning=spinning, memory=memory)
+        self._run_options = memory.run_options() if memory is not None else None
         self.inputs = [_spec(a) for a in self.session.get_inputs()]
         self.outputs = [_spec(a) for a in self.session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
@@ -82,17 +92,20 @@ class OrtBackend:
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
         try:
-            values = self.session.run(self._output_names, inputs)
+            values = self.session.run(self._output_names, inputs, self._run_options)
         except InvalidArgument as err:
             first = str(err).strip().splitlines()[0][:300]
             raise ModelInputError(first) from None
         return dict(zip(self._output_names, values, strict=True))
 
 
-def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> Any:
+def ort_serving_session(
+    path: Path, threads: int, *, spinning: bool = False, memory: MemorySetting | None = None
+) -> Any:
     """An ONNX Runtime CPU session for serving: ``threads`` intra-op threads, full graph
     optimization, and (by default) no spin-waiting, so idle inference threads leave the cores
-    to the event loop and to the other instances."""
+    to the event loop and to the other instances. A ``memory`` setting (a memory profile's
+    choice) sets the arena, memory patterns, execution mode and threads instead."""
     import onnxruntime as ort
 
     if not path.is_file():
@@ -104,6 +117,8 @@ def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if memory is not None:
+        memory.apply(so)
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
@@ -216,13 +231,20 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
     if not onnx_path.is_file():
         raise ModelFileError(f"run {run_dir}: artifact {onnx_path} is missing; rerun the pipeline")
     meta = {"source": str(run_dir), "candidate": selected, "run_status": manifest.get("status")}
+    if (manifest.get("memory_profile") or {}).get("candidate") == selected:
+        meta["memory_profile"] = manifest["memory_profile"]
     return str(name), onnx_path, meta
 
 
 def load_served_models(
-    paths: list[Path], threads: int = 1, *, spinning: bool = False
+    paths: list[Path],
+    threads: int = 1,
+    *,
+    spinning: bool = False,
+    memory: Callable[[Path, dict[str, Any]], MemorySetting | None] | None = None,
 ) -> list[ServedModel]:
-    """Load each path as an ONNX Runtime model; two paths may not share a served name."""
+    """Load each path as an ONNX Runtime model; two paths may not share a served name.
+    ``memory(onnx_path, meta)`` gives a model's memory setting (None: the defaults)."""
     models: list[ServedModel] = []
     for path in paths:
         name, onnx_path, meta = resolve_model_path(Path(path))
@@ -231,6 +253,9 @@ def load_served_models(
                 f"two models are both named {name!r}; serve them from separate processes or "
                 "rename one .onnx file"
             )
-        backend = OrtBackend(onnx_path, threads, spinning=spinning)
+        setting = memory(onnx_path, meta) if memory is not None else None
+        if setting is not None:
+            meta["memory_setting"] = setting.model_dump()
+        backend = OrtBackend(onnx_path, threads, spinning=spinning, memory=setting)
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models
