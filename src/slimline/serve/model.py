@@ -178,6 +178,7 @@ class ServedModel:
     postprocess: Processor | None = None
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    cascade: Any = None  # a serve.cascade.Cascade: unsure rows go to a cloud model
 
     @property
     def batchable(self) -> bool:
