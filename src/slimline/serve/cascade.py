@@ -85,11 +85,14 @@ def load_threshold(value: str) -> dict[str, Any]:
         )
     try:
         doc = json.loads(path.read_text())
-        return {"threshold": float(doc["threshold"]), "score": str(doc["score"])}
+        fields = {"threshold": float(doc["threshold"]), "score": str(doc["score"])}
     except (ValueError, KeyError, TypeError):
         raise ServeError(
             f"{path} has no threshold and score; pass the JSON `slimline cascade calibrate` wrote"
         ) from None
+    if doc.get("output"):
+        fields["output"] = str(doc["output"])
+    return fields
 
 
 # -- compatibility --------------------------------------------------------------------------
