@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -255,23 +256,40 @@ class RemoteCloud:
 
 
 # -- the cascade ----------------------------------------------------------------------------
+_FAMILIES: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _families(registry: CollectorRegistry) -> dict[str, Any]:
+    """The cascade's metric families of one registry, created once (several cascades share)."""
+    if registry not in _FAMILIES:
+        r = registry
+        _FAMILIES[registry] = {
+            "rows": Counter("slimline_cascade_rows", "Rows answered, by route",
+                            ["model", "route"], registry=r),
+            "ratio": Gauge("slimline_cascade_escalation_ratio",
+                           "Share of rows escalated to the cloud tier since start", ["model"],
+                           registry=r),
+            "tier": Histogram("slimline_cascade_tier_duration_seconds", "Latency of each tier",
+                              ["model", "tier"], buckets=LATENCY_BUCKETS, registry=r),
+            "failures": Counter("slimline_cascade_cloud_failures",
+                                "Escalations answered by the edge because the cloud failed",
+                                ["model", "kind"], registry=r),
+            "degraded": Gauge("slimline_cascade_degraded", "1 while the cloud tier is unavailable",
+                              ["model"], registry=r),
+        }  # fmt: skip
+    return _FAMILIES[registry]
+
+
 class _Metrics:
     def __init__(self, registry: CollectorRegistry, model: str) -> None:
-        rows = Counter("slimline_cascade_rows", "Rows answered, by route", ["model", "route"],
-                       registry=registry)  # fmt: skip
-        self.rows = {r: rows.labels(model, r) for r in ROUTES}
-        self.ratio = Gauge("slimline_cascade_escalation_ratio",
-                           "Share of rows escalated to the cloud tier since start", ["model"],
-                           registry=registry).labels(model)  # fmt: skip
-        tier = Histogram("slimline_cascade_tier_duration_seconds", "Latency of each tier",
-                         ["model", "tier"], buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        self.tier = {t: tier.labels(model, t) for t in ("edge", "cloud")}
-        failures = Counter("slimline_cascade_cloud_failures",
-                           "Escalations answered by the edge because the cloud failed",
-                           ["model", "kind"], registry=registry)  # fmt: skip
-        self.failures = {k: failures.labels(model, k) for k in FAILURES}
-        self.degraded = Gauge("slimline_cascade_degraded", "1 while the cloud tier is unavailable",
-                              ["model"], registry=registry).labels(model)  # fmt: skip
+        f = _families(registry)
+        self.rows = {r: f["rows"].labels(model, r) for r in ROUTES}
+        self.ratio = f["ratio"].labels(model)
+        self.tier = {t: f["tier"].labels(model, t) for t in ("edge", "cloud")}
+        self.failures = {k: f["failures"].labels(model, k) for k in FAILURES}
+        self.degraded = f["degraded"].labels(model)
         self.total = 0
         self.escalated = 0
 
