@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "slimline.commands",
     "slimline.loadtest.cli",
     "slimline.serve.cli",
+    "slimline.edge.cli",
 )
 
 

@@ -42,6 +42,10 @@ def _apply_overrides(recipe: Any, args: argparse.Namespace) -> Any:
         recipe = recipe.model_copy(
             update={"target": recipe.target.model_copy(update={"runtime": args.runtime})}
         )
+    if getattr(args, "memory_mb", None) is not None:
+        recipe = recipe.model_copy(
+            update={"target": recipe.target.model_copy(update={"memory_mb": args.memory_mb})}
+        )
     return recipe
 
 
@@ -83,6 +87,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         eval_samples=str(Path(args.eval_samples).resolve()) if args.eval_samples else None,
     )
     recipe = _apply_overrides(recipe, args)
+    if args.memory_mb is not None:
+        from .recipe import recipe_from_dict
+
+        recipe = recipe_from_dict(recipe.to_dict())  # validate the budget as a file's would be
     run = run_recipe(recipe, args.out, cache=args.cache, remeasure=args.remeasure)
     _finish(run.out)
     return 0
@@ -163,6 +171,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--runtime",
         choices=["onnxruntime", "openvino", "auto"],
         help="override the target's runtime (auto: measure both, serve the faster pair)",
+    )
+    p.add_argument(
+        "--memory-mb",
+        type=float,
+        help="peak RSS budget: choose the runtime setting that fits it (docs/edge.md)",
     )
     p.add_argument(
         "--remeasure", action="store_true", help="measure again instead of reusing cached figures"

@@ -142,6 +142,7 @@ def run_recipe(
             write_manifest(run, "running")
         _measure_all(run)
         _profile_or_warn(run)
+        _memory_profile(run)
     except Exception as err:
         stopped = _stop(run, err)
         if stopped is err:
@@ -877,6 +878,27 @@ def _profile(run: Run) -> None:
     baseline = run.baseline.onnx
     assert baseline is not None
     run.extra["weight_distributions"] = weight_stats(baseline)
+
+
+def _memory_profile(run: Run) -> None:
+    """With a memory budget in the target: the runtime setting of the selected candidate, chosen
+    by measured peak RSS at the bench's batch sizes (``manifest.memory_profile``; serve uses it).
+    A budget nothing fits stops the run with the smallest peak measured."""
+    budget = run.recipe.target.memory_mb
+    if budget is None:
+        return
+    from .edge.memory import MemoryBudgetError, memory_profile
+
+    selected = _selected(run)
+    assert selected.onnx is not None
+    sig = run.task.signature
+    sizes = [1] if sig is not None and sig.max_batch == 1 else run.recipe.bench.batch_sizes
+    try:
+        profile = memory_profile(selected.onnx, run.task.sample_inputs, sizes, run.threads, budget)
+    except MemoryBudgetError as err:
+        run.extra["memory_profile"] = {**(err.profile or {}), "candidate": selected.name}
+        raise
+    run.extra["memory_profile"] = {**profile, "candidate": selected.name}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -47,6 +47,12 @@ class TargetConfig(Config):
     runtime: Literal["onnxruntime", "openvino", "auto"] = "onnxruntime"
     provider: Literal["CPUExecutionProvider"] = "CPUExecutionProvider"
     threads: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
+    memory_mb: float | None = Field(
+        None, gt=0.0, description="peak RSS budget: the runtime setting is chosen to fit it"
+    )
+
+    # the budget picks the serving setting after the run; it changes no step's result
+    not_in_key: ClassVar[frozenset[str]] = frozenset({"memory_mb"})
 
 
 class BudgetConfig(Config):

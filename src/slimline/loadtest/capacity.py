@@ -24,7 +24,14 @@ from ..errors import LoadTestError
 from .result import SCHEMA, atomic_write
 from .sweep import find_knee, judge_step
 
-__all__ = ["ACT_LEVEL", "WARN_LEVEL", "alert_rules", "plan_capacity", "write_rules"]
+__all__ = [
+    "ACT_LEVEL",
+    "WARN_LEVEL",
+    "alert_rules",
+    "plan_capacity",
+    "plan_cloud_tier",
+    "write_rules",
+]
 
 WARN_LEVEL = 0.70
 ACT_LEVEL = 0.85
@@ -90,6 +97,7 @@ def plan_capacity(
         "headroom": headroom,
         "capacity_per_machine": capacity,
         "knee_latency_ms": step["latency_ms"],
+        "knee_step": {"offered_rate": step.get("offered_rate"), "server": step.get("server")},
         "machines": machines,
         "load_at_peak": peak_qps / (machines * capacity),
         "load_at_peak_minus_one": peak_qps / ((machines - 1) * capacity) if machines > 1 else None,
@@ -101,6 +109,43 @@ def plan_capacity(
             "act_rps_per_machine": ACT_LEVEL * capacity,
         },
         "notes": notes,
+    }
+
+
+def _knee_escalation(doc: dict[str, Any], step: dict[str, Any]) -> float | None:
+    """The escalation rate the cascade's server reported at the step capacity came from."""
+    return ((step.get("server") or doc.get("server")) or {}).get("escalation_rate")
+
+
+def plan_cloud_tier(
+    edge_plan: dict[str, Any],
+    cascade_doc: dict[str, Any],
+    cloud_doc: dict[str, Any],
+    escalation_rate: float | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """Machines of a cascade's cloud tier: the escalated share of the peak, planned on the cloud
+    model's own sweep at the same SLO and headroom (``edge_plan`` is the cascade's own plan)."""
+    if escalation_rate is None:
+        escalation_rate = _knee_escalation(cascade_doc, edge_plan["knee_step"])
+    if escalation_rate is None:
+        raise LoadTestError(
+            "the cascade's result reports no escalation rate (its server's /metrics was not "
+            "read); pass --escalation-rate"
+        )
+    if not 0.0 <= escalation_rate <= 1.0:
+        raise LoadTestError(f"--escalation-rate {escalation_rate:g} is not a share in 0-1")
+    peak = edge_plan["peak_qps"] * escalation_rate
+    plan = plan_capacity(
+        cloud_doc, max(peak, 1e-9), edge_plan["slo_p99_ms"], edge_plan["headroom"], source
+    )
+    machines = 0 if peak == 0 else plan["machines"]
+    return {
+        "escalation_rate": escalation_rate,
+        "peak_qps": peak,
+        "capacity_per_machine": plan["capacity_per_machine"],
+        "machines": machines,
+        "notes": plan["notes"],
     }
 
 

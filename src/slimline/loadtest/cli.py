@@ -110,6 +110,11 @@ def _register_capacity(sub: Any) -> None:
     )
     p.add_argument("--out", type=Path, help="write the plan JSON here")
     p.add_argument("--rules", type=Path, help="write Prometheus alert rules (YAML) here")
+    p.add_argument("--cloud-result", type=Path,
+                   help="a cascade: the cloud model's own sweep; RESULT is the cascade's sweep. "
+                   "Plans machines per tier for the escalated share of the peak")  # fmt: skip
+    p.add_argument("--escalation-rate", type=float,
+                   help="share of requests escalated (default: measured at the cascade's knee)")  # fmt: skip
     p.set_defaults(func=_capacity_cmd)
 
 
@@ -184,6 +189,37 @@ def print_summary(result: dict[str, Any]) -> None:
     bad = {k: v for k, v in result["outcomes"].items() if k != "ok" and v}
     if bad:
         print("outcomes: " + ", ".join(f"{k} {v}" for k, v in bad.items()))
+    cascade = cascade_line(result.get("server"))
+    if cascade:
+        print(cascade)
+
+
+def _watch(cfg: Any, args: argparse.Namespace) -> Any:
+    """The server's /metrics watched during a single load test (a cascade's escalation)."""
+    if getattr(args, "no_scrape", False) or not getattr(cfg, "url", None):
+        return None
+    from .scrape import MetricsWatcher
+
+    headers = {"Authorization": f"Bearer {cfg.token}"} if getattr(cfg, "token", None) else None
+    return MetricsWatcher(cfg.url, cfg.model, headers).start()
+
+
+def cascade_line(server: dict[str, Any] | None) -> str | None:
+    """A cascade's figures under the load: escalation rate, fallbacks, per-tier latency."""
+    if not server or "escalation_rate" not in server:
+        return None
+    tiers = "  ".join(
+        f"{t} tier mean {server[f'{t}_tier_mean_ms']:.2f} ms"
+        for t in ("edge", "cloud")
+        if f"{t}_tier_mean_ms" in server
+    )
+    failures = ", ".join(f"{k} {v}" for k, v in server.get("cloud_failures", {}).items())
+    return (
+        f"cascade: escalation {server['escalation_rate']:.1%} of {server['cascade_rows']} rows, "
+        f"{server['cloud_fallback_rows']} answered by the edge for a failed cloud"
+        + (f" ({failures})" if failures else "")
+        + (f"  {tiers}" if tiers else "")
+    )
 
 
 def _finish(result: dict[str, Any], out: Path | None) -> int:
@@ -210,8 +246,11 @@ def _loadtest_cmd(args: argparse.Namespace) -> int:
     if args.sweep:
         return _sweep_cmd(args)
     cfg = build_config(args)
+    watcher = _watch(cfg, args)
     with ctrl_c_stops() as stop:
         result = run_loadtest(cfg, stop=stop)
+    if watcher is not None:
+        result["server"] = watcher.stop()
     print_summary(result)
     return _finish(result, args.out)
 
@@ -290,6 +329,9 @@ def _print_sweep(doc: dict[str, Any]) -> None:
             f"  offered {s['offered_rate']:9.1f}  achieved {s['achieved_rate']:9.1f}  "
             f"p99 {p99:>8} ms  errors {s['error_rate']:6.2%}  {s['why']}"
         )
+        cascade = cascade_line(s.get("server"))
+        if cascade:
+            print(f"    {cascade}")
     knee = doc["knee"]
     if knee:
         print(
@@ -320,6 +362,19 @@ def _capacity_cmd(args: argparse.Namespace) -> int:
     )
     for note in plan["notes"]:
         print(f"note: {note}")
+    if getattr(args, "cloud_result", None) is not None:
+        from .capacity import plan_cloud_tier
+
+        cloud = read_result(args.cloud_result)
+        plan["cloud_tier"] = plan_cloud_tier(
+            plan, doc, cloud, args.escalation_rate, str(args.cloud_result)
+        )
+        tier = plan["cloud_tier"]
+        print(
+            f"cloud tier: {tier['escalation_rate']:.1%} of {args.peak_qps:g} QPS = "
+            f"{tier['peak_qps']:.1f} QPS at {tier['capacity_per_machine']:.1f} per machine: "
+            f"{tier['machines']} machine(s); edge tier: {plan['machines']}"
+        )
     if args.out is not None:
         write_json(args.out, plan)
         print(f"wrote {args.out}")

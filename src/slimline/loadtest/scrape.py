@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["MetricsWatcher", "read_metrics"]
+__all__ = ["MetricsWatcher", "cascade_figures", "read_metrics"]
 
 
 def read_metrics(
@@ -45,11 +45,55 @@ def _figures(text: str, model: str) -> dict[str, float]:
             values = [s.value for s in fam.samples if _mine(s.labels, model)]
             if values:
                 out["queue_depth"] = float(sum(values))
+        elif fam.name.endswith("cascade_rows") or fam.name.endswith("cascade_cloud_failures"):
+            _add_labelled(out, fam, model, "route" if "rows" in fam.name else "kind")
+        elif fam.type == "histogram" and fam.name.endswith("cascade_tier_duration_seconds"):
+            for s in fam.samples:
+                if _mine(s.labels, model) and s.name.endswith(("_sum", "_count")):
+                    key = f"cascade_{s.labels.get('tier')}_{s.name.rsplit('_', 1)[1]}"
+                    out[key] = out.get(key, 0.0) + float(s.value)
         elif fam.type == "histogram" and fam.name.endswith("batch_size"):
             for s in fam.samples:
                 if _mine(s.labels, model) and s.name.endswith(("_sum", "_count")):
                     key = "batch_size_sum" if s.name.endswith("_sum") else "batch_size_count"
                     out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+def _add_labelled(out: dict[str, float], fam: Any, model: str, label: str) -> None:
+    """A cascade counter per label value: ``cascade_rows_cloud``, ``cascade_failures_timeout``."""
+    kind = "rows" if label == "route" else "failures"
+    for s in fam.samples:
+        if _mine(s.labels, model) and s.name.endswith("_total"):
+            key = f"cascade_{kind}_{s.labels.get(label)}"
+            out[key] = out.get(key, 0.0) + float(s.value)
+
+
+def cascade_figures(first: dict[str, float], last: dict[str, float]) -> dict[str, Any]:
+    """A cascade's figures over a step: the share of rows escalated, the rows the edge answered
+    because the cloud failed, cloud failures by kind, and each tier's mean latency (ms)."""
+
+    def delta(key: str) -> float:
+        return last.get(key, 0.0) - first.get(key, 0.0)
+
+    rows = {r: delta(f"cascade_rows_{r}") for r in ("edge", "cloud", "fallback")}
+    total = sum(rows.values())
+    if total <= 0:
+        return {}
+    out: dict[str, Any] = {
+        "cascade_rows": int(total),
+        "escalation_rate": (rows["cloud"] + rows["fallback"]) / total,
+        "cloud_fallback_rows": int(rows["fallback"]),
+        "cloud_failures": {
+            k: int(delta(f"cascade_failures_{k}"))
+            for k in ("error", "timeout", "rejected", "unavailable")
+            if delta(f"cascade_failures_{k}") > 0
+        },
+    }
+    for tier in ("edge", "cloud"):
+        n = delta(f"cascade_{tier}_count")
+        if n > 0:
+            out[f"{tier}_tier_mean_ms"] = 1000 * delta(f"cascade_{tier}_sum") / n
     return out
 
 
@@ -93,4 +137,5 @@ class MetricsWatcher:
             total = last.get("batch_size_sum", 0.0) - self.first.get("batch_size_sum", 0.0)
             out["batch_size_mean"] = total / count
             out["batches"] = int(count)
+        out.update(cascade_figures(self.first, last))
         return out

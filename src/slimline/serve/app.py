@@ -119,6 +119,12 @@ class ServerState:
                 return f"the batcher of model {name!r} stopped ({batcher.failure})"
         return None
 
+    @property
+    def degraded(self) -> str | None:
+        """Why a cascade answers from its edge tier alone (its cloud is unavailable), or None."""
+        return next((m.cascade.degraded for m in self.models.values()
+                     if m.cascade is not None and m.cascade.degraded), None)  # fmt: skip
+
     def model_ready(self, name: str) -> bool:
         batcher = self.batchers.get(name)
         dead = batcher is not None and batcher.failure is not None
@@ -136,6 +142,8 @@ class ServerState:
             )
             batcher.start()
             self.batchers[name] = batcher
+            if model.cascade is not None:
+                await model.cascade.start(self.metrics.registry, name)
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -172,6 +180,9 @@ class ServerState:
         if self._warmup is not None and not self._warmup.done():
             self._warmup.cancel()
         await asyncio.gather(*(b.close(drain=True) for b in self.batchers.values()))
+        for model in self.models.values():
+            if model.cascade is not None:
+                await model.cascade.close()
         self.processing.shutdown(wait=True)
 
 
@@ -258,7 +269,10 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
         tags=["health"],
     )
     async def ready() -> Response:
-        return _json({"ready": state.ready}, 200 if state.ready else 503)
+        doc: dict[str, Any] = {"ready": state.ready}
+        if state.degraded:
+            doc.update(degraded=True, reason=state.degraded)
+        return _json(doc, 200 if state.ready else 503)
 
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def metrics() -> Response:
@@ -420,13 +434,20 @@ async def _run_request(state: ServerState, model: ServedModel, request: Request)
         max_batch=batcher.config.max_batch_size,
         allow_nonfinite=settings.allow_nonfinite,
     )
+    edge_started = time.perf_counter()
     outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
+    parameters = None
+    if model.cascade is not None:
+        model.cascade.observe_edge(time.perf_counter() - edge_started)
+        outputs, parameters = await model.cascade.refine(inputs, outputs)
     if model.postprocess is not None:
         outputs = await _in_pool(state, model.postprocess, outputs)
     if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
-        body_out, headers = await _in_pool(state, lambda o: encode_response(model, req, o), outputs)
+        body_out, headers = await _in_pool(
+            state, lambda o: encode_response(model, req, o, parameters), outputs
+        )
     else:
-        body_out, headers = encode_response(model, req, outputs)
+        body_out, headers = encode_response(model, req, outputs, parameters)
     return Response(body_out, 200, headers=headers)
 
 

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BatcherConfig()
     p.add_argument(
-        "models", nargs="+", metavar="RUN_DIR_OR_ONNX", help="run directories or .onnx files"
+        "models", nargs="*", metavar="RUN_DIR_OR_ONNX", help="run directories or .onnx files"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
@@ -64,6 +64,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=["onnxruntime", "openvino"], default=None,
                    help="serve on this runtime (default: the one the run picked; ONNX Runtime "
                    "for a .onnx file)")  # fmt: skip
+    p.add_argument("--cascade", nargs=2, metavar=("EDGE", "CLOUD"), default=None,
+                   help="serve EDGE; rows it is unsure of go to CLOUD (a run directory, an .onnx "
+                   "file or a KServe v2 URL); see docs/edge.md")  # fmt: skip
+    p.add_argument("--cascade-threshold", default=None,
+                   help="escalate rows scored below this number, or the JSON that `slimline "
+                   "cascade calibrate` wrote (its threshold and score)")  # fmt: skip
+    p.add_argument("--cascade-score", default=None,
+                   help="softmax (default), probability, margin, or FILE.py:FUNCTION")  # fmt: skip
+    p.add_argument("--cascade-output", default=None, help="the output scored (default: first)")
+    p.add_argument("--cloud-timeout-ms", type=float, default=1000.0,
+                   help="longest wait for the cloud tier; then the edge answer is returned")  # fmt: skip
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="peak RSS budget per model: run the fastest measured ONNX Runtime setting "
+                   "that fits (default: the run's recorded memory profile, if any)")  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -104,7 +118,43 @@ def _token(path: Path | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def _cascade(args: argparse.Namespace, settings: ServeSettings, memory: Any) -> Any:
+    from .cascade import CascadeConfig, attach_cascade, load_threshold
+    from .model import load_served_models
+
+    if args.cascade_threshold is None:
+        raise ServeError(
+            "--cascade needs --cascade-threshold (a number, or the JSON `slimline cascade "
+            "calibrate` writes)"
+        )
+    fields = load_threshold(args.cascade_threshold)
+    if args.cascade_score:
+        fields["score"] = args.cascade_score
+    try:
+        config = CascadeConfig(
+            **fields, output=args.cascade_output, cloud_timeout_ms=args.cloud_timeout_ms
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ServeError(
+            f"cascade option {first['loc'][0]}: {first['msg']}; fix the flag"
+        ) from None
+
+    def load(path: Path) -> Any:
+        return load_served_models(
+            [path], settings.threads, spinning=settings.ort_spinning, memory=memory
+        )[0]
+
+    edge_path, cloud = args.cascade
+    edge = load(Path(edge_path))
+    return attach_cascade(edge, cloud, config, batching=settings.batching, load=load)
+
+
 def _check_backend(args: argparse.Namespace) -> None:
+    if not args.models and not args.cascade:
+        raise ServeError("nothing to serve; pass RUN_DIR_OR_ONNX or --cascade EDGE CLOUD")
+    if args.cascade and args.backend == "ray":
+        raise ServeError("--cascade runs with --backend local; drop --backend ray")
     if args.backend == "local" and args.replicas != 1:
         raise ServeError("--replicas needs --backend ray; add it or drop --replicas")
     if args.backend == "ray" and args.port == 0:
@@ -130,11 +180,23 @@ def run(args: argparse.Namespace) -> int:
     from .server import serve_forever
 
     paths = [Path(m) for m in args.models]
+    memory = _memory(args, settings)
     models = load_served_models(
-        paths, settings.threads, spinning=settings.ort_spinning, runtime=args.runtime
+        paths, settings.threads, spinning=settings.ort_spinning, runtime=args.runtime, memory=memory
     )
+    if args.cascade:
+        models.append(_cascade(args, settings, memory))
     serve_forever(models, settings)
     return 0
+
+
+def _memory(args: argparse.Namespace, settings: ServeSettings) -> Any:
+    from ..edge.serving import serving_memory
+
+    budget = getattr(args, "memory_mb", None)
+    if budget is not None and budget <= 0:
+        raise ServeError(f"--memory-mb is {budget:g}; give a positive number of MB")
+    return serving_memory(budget, settings.threads, settings.batching.max_batch_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

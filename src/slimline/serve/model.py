@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..edge.setting import MemorySetting
 from ..errors import ManifestError, ModelFileError, ServeError
 from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
@@ -75,9 +76,18 @@ class OrtBackend:
 
     platform = "onnxruntime_onnx"
 
-    def __init__(self, path: Path, threads: int = 1, *, spinning: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        threads: int = 1,
+        *,
+        spinning: bool = False,
+        memory: MemorySetting | None = None,
+    ) -> None:
         self.path = Path(path)
-        self.session = ort_serving_session(self.path, threads, spinning=spinning)
+        self.memory = memory
+        self.session = ort_serving_session(self.path, threads, spinning=spinning, memory=memory)
+        self._run_options = memory.run_options() if memory is not None else None
         self.inputs = [_spec(a) for a in self.session.get_inputs()]
         self.outputs = [_spec(a) for a in self.session.get_outputs()]
         self._output_names = [o.name for o in self.outputs]
@@ -86,17 +96,20 @@ class OrtBackend:
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
         try:
-            values = self.session.run(self._output_names, inputs)
+            values = self.session.run(self._output_names, inputs, self._run_options)
         except InvalidArgument as err:
             first = str(err).strip().splitlines()[0][:300]
             raise ModelInputError(first) from None
         return dict(zip(self._output_names, values, strict=True))
 
 
-def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> Any:
+def ort_serving_session(
+    path: Path, threads: int, *, spinning: bool = False, memory: MemorySetting | None = None
+) -> Any:
     """An ONNX Runtime CPU session for serving: ``threads`` intra-op threads, full graph
     optimization, and (by default) no spin-waiting, so idle inference threads leave the cores
-    to the event loop and to the other instances."""
+    to the event loop and to the other instances. A ``memory`` setting (a memory profile's
+    choice) sets the arena, memory patterns, execution mode and threads instead."""
     import onnxruntime as ort
 
     if not path.is_file():
@@ -108,6 +121,8 @@ def ort_serving_session(path: Path, threads: int, *, spinning: bool = False) -> 
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if memory is not None:
+        memory.apply(so)
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
@@ -229,6 +244,7 @@ class ServedModel:
     postprocess: Processor | None = None
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    cascade: Any = None  # a serve.cascade.Cascade: unsure rows go to a cloud model
 
     @property
     def batchable(self) -> bool:
@@ -287,14 +303,22 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
         "run_status": manifest.get("status"),
         "runtime": manifest.get("selected_runtime") or "onnxruntime",
     }
+    if (manifest.get("memory_profile") or {}).get("candidate") == selected:
+        meta["memory_profile"] = manifest["memory_profile"]
     return str(name), onnx_path, meta
 
 
 def load_served_models(
-    paths: list[Path], threads: int = 1, *, spinning: bool = False, runtime: str | None = None
+    paths: list[Path],
+    threads: int = 1,
+    *,
+    spinning: bool = False,
+    runtime: str | None = None,
+    memory: Callable[[Path, dict[str, Any]], MemorySetting | None] | None = None,
 ) -> list[ServedModel]:
     """Load each path on ``runtime``, or (``None``) on the runtime its run picked (ONNX
-    Runtime for a bare ``.onnx`` file); two paths may not share a served name."""
+    Runtime for a bare ``.onnx`` file); two paths may not share a served name.
+    ``memory(onnx_path, meta)`` gives a model's ONNX Runtime memory setting (None: defaults)."""
     models: list[ServedModel] = []
     for path in paths:
         name, onnx_path, meta = resolve_model_path(Path(path))
@@ -305,15 +329,26 @@ def load_served_models(
             )
         chosen = runtime or meta.get("runtime") or "onnxruntime"
         meta = {**meta, "runtime": chosen}
-        backend = make_backend(onnx_path, threads, chosen, spinning=spinning)
+        setting = (
+            memory(onnx_path, meta) if memory is not None and chosen == "onnxruntime" else None
+        )
+        if setting is not None:
+            meta["memory_setting"] = setting.model_dump()
+        backend = make_backend(onnx_path, threads, chosen, spinning=spinning, memory=setting)
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models
 
 
 def make_backend(
-    path: Path, threads: int, runtime: str = "onnxruntime", *, spinning: bool = False
+    path: Path,
+    threads: int,
+    runtime: str = "onnxruntime",
+    *,
+    spinning: bool = False,
+    memory: MemorySetting | None = None,
 ) -> InferenceBackend:
-    """The serving backend for ``path`` on ``runtime`` (``onnxruntime`` or ``openvino``)."""
+    """The serving backend for ``path`` on ``runtime`` (``onnxruntime`` or ``openvino``);
+    ``memory`` is an ONNX Runtime memory setting (the memory profile measures ONNX Runtime)."""
     if runtime == "openvino":
         return OvBackend(path, threads)
-    return OrtBackend(path, threads, spinning=spinning)
+    return OrtBackend(path, threads, spinning=spinning, memory=memory)

@@ -395,9 +395,13 @@ def model_metadata(model: ServedModel) -> dict[str, Any]:
 
 
 def encode_response(
-    model: ServedModel, req: InferRequest, outputs: Tensors
+    model: ServedModel,
+    req: InferRequest,
+    outputs: Tensors,
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
-    """The response body and headers; binary outputs follow the JSON header."""
+    """The response body and headers; binary outputs follow the JSON header. ``parameters``
+    become the response's own (e.g. which tier of a cascade answered)."""
     wanted = req.outputs or [RequestedOutput(n, None) for n in outputs]
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes] = []
@@ -425,6 +429,8 @@ def encode_response(
     doc: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if req.id is not None:
         doc["id"] = req.id
+    if parameters:
+        doc["parameters"] = parameters
     doc["outputs"] = tensors
     head = _dumps(doc, finite)
     if not chunks:

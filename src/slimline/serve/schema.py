@@ -107,3 +107,5 @@ class LiveBody(BaseModel):
 
 class ReadyBody(BaseModel):
     ready: bool
+    degraded: bool | None = None  # a cascade answers from its edge tier alone
+    reason: str | None = None
