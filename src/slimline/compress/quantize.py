@@ -180,7 +180,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         for n in t.notes:
             ctx.warn(f"quantize: {n}")
     ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
-    return Candidate(
+    out = Candidate(
         name="quantize",
         step="quantize",
         parent=cand.name,
@@ -190,6 +190,11 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         reason=s.reason(chosen) if chosen.latency else chosen.budget_reason,
         measurement=_measurement(ctx, chosen),
     )
+    if cfg.fallback == "qat":
+        from .qat.fallback import qat_fallback
+
+        return qat_fallback(cfg, cand, ctx, chosen, record, out)
+    return out
 
 
 def _layerwise(s: Search, chosen: Trial) -> list[dict[str, Any]]:
