@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -193,6 +194,26 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
     }
 
 
+def _node_of_op(model: Any, message: str) -> str | None:
+    """The module (and its class) whose traced code calls the op the exporter named, from the FX
+    graph's module stack: FX inlines user modules, so the op is a node, not a leaf module."""
+    found = re.search(r"aten::(\w+)", message)
+    graph = getattr(model, "graph", None)
+    if found is None or graph is None:
+        return None
+    op = found.group(1)
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.op in ("call_function", "call_method") and name == op:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            if not stack:
+                return f"the model's own forward (op aten::{op})"
+            path, cls = stack[-1]
+            cls_name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1])
+            return f"module {path} ({cls_name}): op aten::{op}"
+    return None
+
+
 def _failing_module(model: Any, sample: dict[str, np.ndarray], opset: int) -> str:
     """The first leaf module (in call order) that the exporter cannot export alone, with the
     exporter's message: it names the op."""
@@ -233,8 +254,8 @@ def _positional(mod: Any, n: int) -> Any:
             super().__init__()
             self.inner = mod
 
-        def forward(self, **kwargs: Any) -> Any:
-            return self.inner(*(kwargs[f"in{i}"] for i in range(n)))
+        def forward(self, *args: Any) -> Any:  # export_module passes the inputs in order
+            return self.inner(*args[:n])
 
     return Wrapped()
 
@@ -248,7 +269,9 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     try:
         export_module(model, sample, path, cfg.opset)
     except ExportError as err:
-        where = _failing_module(model, ctx.task.sample_inputs(2), cfg.opset)
+        where = _node_of_op(model, error_text(err)) or _failing_module(
+            model, ctx.task.sample_inputs(2), cfg.opset
+        )
         raise ExportError(
             f"QDQ export of the fake-quant model failed at {where} (whole model: "
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
