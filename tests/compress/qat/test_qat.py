@@ -253,3 +253,26 @@ def test_qat_step_on_a_real_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def _mk(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.mark.parametrize(
+    ("budget_ok", "int8_share", "record", "expected"),
+    [
+        (False, 1.0, {}, "missed the budget"),
+        (True, 1.0, {"no_candidate_met_budget": "none"}, "missed the budget"),
+        (True, 0.3, {}, "70% of the compute ops in float"),
+        (True, 0.9, {}, None),
+    ],
+)
+def test_quantize_falls_back_to_qat_when_ptq_is_not_good_enough(
+    budget_ok: bool, int8_share: float, record: dict[str, Any], expected: str | None
+) -> None:
+    from types import SimpleNamespace
+
+    from slimline.compress.qat.fallback import why_qat
+
+    chosen: Any = SimpleNamespace(
+        budget_ok=budget_ok, budget_reason="cosine 0.97 < 0.99", kernels={"int8_share": int8_share}
+    )
+    why = why_qat(QuantizeConfig(fallback="qat", max_float_share=0.5), chosen, record)
+    assert why == expected if expected is None else expected in (why or "")

@@ -1,7 +1,7 @@
 """``quantize: {fallback: qat}``: quantization-aware training when post-training quantization plus
 mixed precision misses the budget, or meets it only by keeping more than ``max_float_share`` of
-the compute ops in float. QAT runs with the ``qat`` step's settings (the recipe's, else its
-defaults); the better of the two is returned, the other is recorded as an alternative."""
+the compute ops in float. QAT runs with the ``qat`` step's defaults (the quantize step's cache key
+does not read other steps' settings); the better of the two is returned, the other is recorded as an alternative."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def qat_fallback(
 
     try:
         rows = ptq_rows(ctx, cand, format_for(detect_cpu()))
-        qat = run_qat(ctx.recipe.step_config(QatConfig), cand, ctx, rows)
+        qat = run_qat(QatConfig(), cand, ctx, rows)
     except Exception as err:
         if is_user_error(err):
             raise
