@@ -83,7 +83,7 @@ def test_the_run_checks_the_loaded_tasks_kind() -> None:
 
 
 def test_every_builtin_step_declares_what_its_key_depends_on() -> None:
-    assert registered_kinds() == ["export", "graph", "nncf", "prune", "quantize"]
+    assert registered_kinds() == ["export", "graph", "nncf", "prune", "qat", "quantize"]
     for kind in registered_kinds():
         spec = spec_for(config_class(kind))
         assert spec.contract.consumes and spec.version >= 1 and spec.packages

@@ -18,7 +18,7 @@ from slimline.task import load_task
 
 
 def test_registry_lists_importable_task_modules() -> None:
-    assert set(EXAMPLES) == {"mnist", "minilm"}
+    assert set(EXAMPLES) == {"mnist", "minilm", "mnist-dw"}
     assert set(DESCRIPTIONS) == set(EXAMPLES)
     for name, module in EXAMPLES.items():
         task = load_task(name)
@@ -26,6 +26,7 @@ def test_registry_lists_importable_task_modules() -> None:
         assert task.module is importlib.import_module(module)
     assert load_task("mnist").metric_name == "top1"
     assert load_task("mnist").output_kind == "logits"
+    assert load_task("mnist-dw").metric_name == "top1"
     assert load_task("minilm").metric_name == "lee_pearson"
     assert load_task("minilm").output_kind == "embedding"
 

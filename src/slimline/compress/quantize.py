@@ -191,7 +191,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         from .nncf_ptq import nncf_alternative
 
         ctx.alternatives.append(nncf_alternative(cand, ctx, cfg.samples))
-    return Candidate(
+    out = Candidate(
         name="quantize",
         step="quantize",
         parent=cand.name,
@@ -201,6 +201,11 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         reason=s.reason(chosen) if chosen.latency else chosen.budget_reason,
         measurement=_measurement(ctx, chosen),
     )
+    if cfg.fallback == "qat":
+        from .qat.fallback import qat_fallback
+
+        return qat_fallback(cfg, cand, ctx, chosen, record, out)
+    return out
 
 
 def _layerwise(s: Search, chosen: Trial) -> list[dict[str, Any]]:

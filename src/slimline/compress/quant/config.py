@@ -52,6 +52,11 @@ class QuantizeConfig(StepConfig):
     max_float_share: float = Field(
         0.5, gt=0.0, le=1.0, description="mixed precision keeps at most this share in float"
     )
+    fallback: Literal["none", "qat"] = Field(
+        "none",
+        description="qat: quantization-aware training when PTQ plus mixed precision misses the "
+        "budget or keeps more than max_float_share of the compute ops in float",
+    )
     layerwise_samples: int = Field(16, ge=1, le=1024)
     representativeness_samples: int = Field(64, ge=0, le=10_000)
     calibration_chunk_mb: int = Field(128, ge=16, le=16_384)

@@ -1,0 +1,164 @@
+"""QAT against post-training quantization of the same format: FP32, full INT8 PTQ, mixed-precision
+PTQ and QAT, with metric, fidelity, latency (measured interleaved), size and INT8 op share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...candidate import Candidate, quantizable_graph
+from ...context import StepContext
+from ...errors import error_text, is_user_error
+from ...task import Inputs
+from ..quant.auto import Search, Trial, mixed_precision
+from ..quant.calibrate import calibrate
+from ..quant.config import QuantizeConfig, QuantSpec
+from ..quant.plan import resolve_plan
+from ..quant.prepare import prepare
+from .fakequant import FakeQuantFormat
+
+__all__ = ["LATENCY_TOLERANCE", "RECOVERY_TARGET", "PtqRows", "compare_rows", "ptq_rows"]
+
+LATENCY_TOLERANCE = 0.10  # QAT within 10% of full-INT8 PTQ of the same format
+RECOVERY_TARGET = 0.70  # share of the metric PTQ lost that QAT should win back
+
+
+@dataclass
+class PtqRows:
+    """Post-training candidates of the QAT format: all INT8, and mixed precision from it."""
+
+    full: Trial | None = None
+    mixed: Trial | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
+    return (inputs for inputs, _ in ctx.task.eval_data())
+
+
+def ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRows:
+    """Full static INT8 (every compute node, MinMax calibration, the QAT format) of ``cand``'s
+    float graph, and mixed precision from it when it misses the budget. A failure here costs the
+    comparison, never the QAT candidate."""
+    try:
+        return _ptq_rows(ctx, cand, fmt)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        return PtqRows(notes=[f"post-training comparison not built: {error_text(err)}"])
+
+
+def _ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRows:
+    qcfg = ctx.recipe.step_config(QuantizeConfig)
+    prepared = prepare(
+        quantizable_graph(cand),
+        ctx.workdir / "ptq-prepared",
+        ctx.task.sample_inputs(1),
+        optimize=qcfg.optimize_graph,
+        threads=ctx.threads,
+    )
+    calib = calibrate(
+        prepared.path,
+        ctx.task.calibration_data(),
+        ctx.workdir / "ptq-calibration",
+        samples=qcfg.samples,
+        methods={"minmax"},
+        symmetric=qcfg.activation_symmetric,
+        chunk_mb=qcfg.calibration_chunk_mb,
+        threads=ctx.threads,
+        eval_samples=0,
+        signature=ctx.task.signature,
+    )
+    s = Search(ctx, qcfg, prepared, calib.caches, ctx.workdir / "ptq", lambda: _eval_inputs(ctx))
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    plan = resolve_plan(prepared.compute_nodes, {}, False)
+    spec = QuantSpec(mode="static", calibration="minmax", reduce_range=fmt.reduce_range)
+    full = s.judge(s.build(spec, plan, "-full"))
+    rows = PtqRows(full=full)
+    if full.failure is None and not full.budget_ok and qcfg.mixed_precision:
+        rows.mixed = mixed_precision(s, full)
+    return rows
+
+
+def _row(name: str, label: str, quality: Any, kernels: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "metric": quality.metric if quality is not None else None,
+        "cosine_mean": quality.cosine_mean if quality is not None else None,
+        "int8_share": kernels["int8_share"] if kernels else 0.0,
+        "kernels": kernels["summary"] if kernels else "float",
+    }
+
+
+def compare_rows(
+    ctx: StepContext, qat: Candidate, kernels: dict[str, Any], ptq: PtqRows | None
+) -> dict[str, Any]:
+    """The comparison table (rows keyed ``fp32``, ``ptq_full``, ``ptq_mixed``, ``qat``) with the
+    verdicts against the targets; rows the run could not build are left out."""
+    ref = ctx.reference
+    quality = ctx.evaluate(qat) if ctx.evaluate_fn is not None else None
+    rows: dict[str, dict[str, Any]] = {
+        "fp32": {
+            **_row(ctx.baseline.name, "FP32", None, None),
+            "metric": ref.metric,
+            "cosine_mean": 1.0,
+        },
+    }
+    cands: dict[str, Candidate] = {"fp32": ctx.baseline}
+    ptq = ptq or PtqRows()
+    for key, trial in (("ptq_full", ptq.full), ("ptq_mixed", ptq.mixed)):
+        if trial is None or trial.failure is not None:
+            continue
+        rows[key] = {**_row(trial.name, trial.label, trial.quality, trial.kernels)}
+        rows[key]["budget_ok"] = trial.budget_ok
+        cands[key] = Candidate(trial.name, "quantize", None, onnx=trial.path)
+    rows["qat"] = _row(qat.name, "QAT", quality, kernels)
+    cands["qat"] = qat
+    if quality is not None:
+        rows["qat"]["budget_ok"], rows["qat"]["budget_reason"] = ctx.within_budget(quality)
+    latency = _latency(ctx, cands)
+    for key, c in cands.items():
+        rows[key]["size_bytes"] = c.onnx.stat().st_size if c.onnx is not None else None
+        rows[key]["latency_ms"] = latency.get(key)
+    out: dict[str, Any] = {"rows": rows, "notes": ptq.notes, "verdicts": _verdicts(rows)}
+    if quality is not None:
+        out["qat_measurement"] = {
+            "metric": {"name": ctx.task.metric_name, "value": quality.metric},
+            "fidelity": quality.fidelity_dict(),
+            **({"latency_ms": latency["qat"]} if "qat" in latency else {}),
+        }
+    return out
+
+
+def _latency(ctx: StepContext, cands: dict[str, Candidate]) -> dict[str, dict[str, Any]]:
+    if ctx.compare_fn is None:  # a context without a benchmark (library use, unit tests)
+        return {}
+    figures = ctx.compare(list(cands.values()))
+    return {key: figures[c.name]["latency_ms"] for key, c in cands.items() if c.name in figures}
+
+
+def _p50(row: dict[str, Any] | None) -> float | None:
+    lat = (row or {}).get("latency_ms")
+    return float(lat["p50"]) if lat else None
+
+
+def _verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Recovered share of what full PTQ lost (metric and cosine), QAT latency against full PTQ
+    (within 10%) and against mixed precision (faster)."""
+    out: dict[str, Any] = {}
+    fp32, full, mixed, qat = rows["fp32"], rows.get("ptq_full"), rows.get("ptq_mixed"), rows["qat"]
+    if full is not None and qat.get("metric") is not None and full.get("metric") is not None:
+        for key in ("metric", "cosine_mean"):
+            lost = fp32[key] - full[key]
+            out[f"{key}_lost_by_ptq"] = lost
+            out[f"{key}_recovered_share"] = (qat[key] - full[key]) / lost if lost > 0 else None
+    q, f, m = _p50(qat), _p50(full), _p50(mixed)
+    if q is not None and f is not None:
+        out["latency_vs_ptq_full"] = q / f
+        out["within_10pct_of_ptq_full"] = q <= (1.0 + LATENCY_TOLERANCE) * f
+    if q is not None and m is not None:
+        out["latency_vs_ptq_mixed"] = q / m
+        out["faster_than_ptq_mixed"] = q < m
+    return out

@@ -1,0 +1,279 @@
+"""Fake quantization that simulates the INT8 format the ``quantize`` step deploys, and its export.
+
+The format is the one :func:`slimline.compress.quant.auto.cpu_formats` chooses for the CPU: U8
+asymmetric per-tensor activations and S8 symmetric per-channel weights (range [-127, 127], as
+ONNX Runtime's quantizer uses for symmetric INT8), 7-bit weights ([-64, 64]) where the CPU has
+no VNNI. ``torch.ao.quantization``'s FX graph mode inserts the fake-quant modules (Conv-BN-ReLU
+fused into QAT modules whose BatchNorm statistics can be frozen); for export each fused module is
+replaced by a convolution with BatchNorm folded in and its weight already on the learned INT8
+grid, and the TorchScript exporter writes every fake-quant op as a QuantizeLinear /
+DequantizeLinear pair with the learned scale and zero point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ...cpu import CpuInt8
+
+__all__ = [
+    "FakeQuantFormat",
+    "calibrate",
+    "export_module_for",
+    "fake_quant_modules",
+    "format_for",
+    "freeze_bn",
+    "freeze_observers",
+    "prepare",
+]
+
+
+@dataclass(frozen=True)
+class FakeQuantFormat:
+    """The simulated INT8 format (what ``quantize`` would deploy on the CPU)."""
+
+    activation_type: Literal["uint8"] = "uint8"
+    weight_type: Literal["int8"] = "int8"
+    reduce_range: bool = False  # 7-bit weights: no VNNI on this x86 CPU
+    cpu_kind: str = ""
+
+    @property
+    def weight_range(self) -> tuple[int, int]:
+        return (-64, 64) if self.reduce_range else (-127, 127)
+
+    @property
+    def label(self) -> str:
+        rr = " reduce-range" if self.reduce_range else ""
+        return f"QAT QDQ U8S8 per-channel{rr}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "weight_range": list(self.weight_range), "label": self.label}
+
+
+def format_for(cpu: CpuInt8) -> FakeQuantFormat:
+    """The format ``quantize`` tries first on ``cpu`` (its default settings): U8S8 per-channel,
+    with 7-bit weights where U8S8 sums can saturate (x86 without VNNI). U8U8, its other candidate
+    there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format."""
+    from ..quant.auto import cpu_formats
+    from ..quant.config import QuantizeConfig
+
+    _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]
+    return FakeQuantFormat(reduce_range=reduce_range, cpu_kind=cpu.kind)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.ao.quantization warns on import and use that it is deprecated (in favour of torchao,
+    which has no QDQ ONNX export path for CPU): the warnings are not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _qconfig(fmt: FakeQuantFormat) -> Any:
+    import torch
+    from torch.ao.quantization import (
+        FakeQuantize,
+        MovingAverageMinMaxObserver,
+        MovingAveragePerChannelMinMaxObserver,
+        QConfig,
+    )
+
+    wmin, wmax = fmt.weight_range
+    act = FakeQuantize.with_args(  # type: ignore[no-untyped-call]
+        observer=MovingAverageMinMaxObserver,
+        quant_min=0,
+        quant_max=255,
+        dtype=torch.quint8,
+        qscheme=torch.per_tensor_affine,
+    )
+    weight = FakeQuantize.with_args(  # type: ignore[no-untyped-call]
+        observer=MovingAveragePerChannelMinMaxObserver,
+        quant_min=wmin,
+        quant_max=wmax,
+        dtype=torch.qint8,
+        qscheme=torch.per_channel_symmetric,
+        ch_axis=0,
+    )
+    return QConfig(activation=act, weight=weight)  # type: ignore[no-untyped-call]
+
+
+def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
+    """A fake-quant copy of ``model`` (an FX ``GraphModule`` in training mode); ``model`` is
+    left as it was. Fake quantization starts disabled: :func:`calibrate` sets the ranges first."""
+    import torch
+    from torch.ao.quantization import QConfigMapping, disable_fake_quant
+    from torch.ao.quantization.backend_config import get_native_backend_config
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    student = copy.deepcopy(model).train()
+    with _quiet():
+        prepared = prepare_qat_fx(
+            student,
+            QConfigMapping().set_global(_qconfig(fmt)),
+            tuple(example.values()),
+            backend_config=get_native_backend_config(),
+        )
+    prepared.apply(disable_fake_quant)
+    assert isinstance(prepared, torch.nn.Module)
+    return prepared
+
+
+def fake_quant_modules(model: Any) -> dict[str, Any]:
+    from torch.ao.quantization import FakeQuantize
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantize)}
+
+
+def calibrate(model: Any, batches: Iterable[dict[str, np.ndarray]], samples: int) -> int:
+    """Set every activation range to the min / max over ``samples`` calibration rows (what
+    post-training MinMax calibration computes), then enable fake quantization. Weight ranges
+    follow the weights. Runs in eval mode (BatchNorm running statistics, as deployed); returns
+    the rows seen."""
+    import torch
+    from torch.ao.quantization import enable_fake_quant
+
+    acts = {n: m for n, m in fake_quant_modules(model).items() if not _is_weight(m)}
+    lo: dict[str, float] = {}
+    hi: dict[str, float] = {}
+
+    def track(name: str) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            x = args[0].detach()
+            lo[name] = min(lo.get(name, 0.0), float(x.min()))  # ranges always include 0
+            hi[name] = max(hi.get(name, 0.0), float(x.max()))
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(track(n)) for n, m in acts.items()]
+    was_training, seen = model.training, 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                x = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+                model(**x)
+                seen += len(next(iter(batch.values())))
+                if seen >= samples:
+                    break
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    for name, m in acts.items():
+        if name in lo:
+            _set_range(m, lo[name], hi[name])
+    model.apply(enable_fake_quant)
+    return seen
+
+
+def _is_weight(fq: Any) -> bool:
+    import torch
+
+    return bool(fq.qscheme == torch.per_channel_symmetric)
+
+
+def _set_range(fq: Any, lo: float, hi: float) -> None:
+    import torch
+
+    obs = fq.activation_post_process
+    obs.min_val = torch.tensor(lo)
+    obs.max_val = torch.tensor(hi)
+    scale, zero_point = obs.calculate_qparams()
+    fq.scale.resize_(scale.shape).copy_(scale)
+    fq.zero_point.resize_(zero_point.shape).copy_(zero_point)
+
+
+def freeze_bn(model: Any) -> None:
+    """BatchNorm statistics stop updating (the QAT forward already uses the running ones)."""
+    import torch.ao.nn.intrinsic.qat as nniqat
+
+    model.apply(nniqat.freeze_bn_stats)
+
+
+def freeze_observers(model: Any) -> None:
+    """Activation and weight ranges stop following the data: the scales are final."""
+    from torch.ao.quantization import disable_observer
+
+    model.apply(disable_observer)
+
+
+# -- export --------------------------------------------------------------------------------------
+def _export_weight(fq: Any, weight: Any) -> tuple[Any, Any, Any]:
+    """(weight on the learned grid, scale, int32 zero point) of one per-channel fake quant."""
+    import torch
+
+    scale = fq.scale.detach().clone()
+    zp = fq.zero_point.detach().to(torch.int32).clone()
+    q = torch.fake_quantize_per_channel_affine(
+        weight.detach(), scale, zp, int(fq.ch_axis), int(fq.quant_min), int(fq.quant_max)
+    )
+    return q, scale, zp
+
+
+def _export_conv(module: Any) -> Any:
+    import torch
+    import torch.ao.nn.intrinsic.qat as nniqat
+
+    from ._modules import QConv2d
+
+    relu = isinstance(module, (nniqat.ConvBnReLU2d, nniqat.ConvReLU2d))
+    weight, bias = module.weight.detach(), module.bias
+    bias = bias.detach() if bias is not None else torch.zeros(weight.shape[0])
+    if isinstance(module, (nniqat.ConvBn2d, nniqat.ConvBnReLU2d)):
+        bn: Any = module.bn
+        factor = bn.weight.detach() / torch.sqrt(bn.running_var + bn.eps)
+        weight = weight * factor.reshape(-1, 1, 1, 1)
+        bias = bn.bias.detach() + (bias - bn.running_mean) * factor
+    q, scale, zp = _export_weight(module.weight_fake_quant, weight)
+    return QConv2d(q, bias.detach(), scale, zp, module, relu)
+
+
+def _export_linear(module: Any) -> Any:
+    import torch
+    import torch.ao.nn.intrinsic.qat as nniqat
+
+    from ._modules import QLinear
+
+    weight, bias = module.weight.detach(), module.bias
+    bias = bias.detach() if bias is not None else torch.zeros(weight.shape[0])
+    q, scale, zp = _export_weight(module.weight_fake_quant, weight)
+    return QLinear(q, bias, scale, zp, isinstance(module, nniqat.LinearReLU))
+
+
+def _export_replacement(module: Any) -> Any | None:
+    import torch.ao.nn.intrinsic.qat as nniqat
+    import torch.ao.nn.qat as nnqat
+
+    convs = (nniqat.ConvBn2d, nniqat.ConvBnReLU2d, nniqat.ConvReLU2d, nnqat.Conv2d)
+    if isinstance(module, convs):
+        return _export_conv(module)
+    if isinstance(module, (nniqat.LinearReLU, nnqat.Linear)):
+        return _export_linear(module)
+    return None
+
+
+def export_module_for(model: Any) -> Any:
+    """An eval-mode copy of the fake-quant ``model`` that computes the same function in the form
+    the QDQ export needs: BatchNorm folded into each convolution, each weight on its learned
+    INT8 grid, activation fake quants as they are (observers off)."""
+    out = copy.deepcopy(model).eval()
+    freeze_observers(out)
+    for name, module in list(out.named_modules()):
+        new = _export_replacement(module)
+        if new is None:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = out.get_submodule(parent_name) if parent_name else out
+        setattr(parent, child, new)
+    left = [n for n, fq in fake_quant_modules(out).items() if _is_weight(fq)]
+    if left:
+        raise TypeError(f"weight fake quants of unsupported modules left: {', '.join(left)}")
+    return out

@@ -1,0 +1,350 @@
+"""The ``qat`` step: quantization-aware fine-tuning by distillation, exported as QDQ ONNX.
+
+A fake-quant copy of the candidate's torch model simulates the INT8 format the ``quantize`` step
+deploys on this CPU (:func:`.fakequant.format_for`); its ranges start from post-training MinMax
+calibration; it learns from the FP32 teacher with :func:`..finetune.distill` (softened logits
+plus the task loss where there are labels, output losses otherwise) at a small learning rate.
+BatchNorm statistics and the range observers freeze after configurable steps. Training is
+checkpointed at every held-out evaluation in a work directory of the step cache, so a killed run
+continues inside the step. The export is verified three ways: ONNX Runtime against the
+fake-quant model (cosine), the kernels ONNX Runtime runs (fallback detection), and latency
+against full-INT8 post-training quantization of the same format, measured interleaved.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from pydantic import Field
+
+from ...candidate import Candidate
+from ...context import StepContext
+from ...cpu import detect as detect_cpu
+from ...errors import DataError, ExportError, StepError, error_text
+from ...module_guard import private_copy, torch_threads
+from ...recipe import StepConfig
+from ...record import atomic_write_bytes
+from ...steps import Contract, step
+from ..finetune import DistillHooks, FinetuneConfig, distill, resolve_data, to_tensors
+from ..quant.fallback import kernel_report
+from . import fakequant as fq
+from .compare import PtqRows, compare_rows, ptq_rows
+
+__all__ = ["QatConfig", "qat_step", "run_qat"]
+
+log = logging.getLogger("slimline.qat")
+
+
+def _default_finetune() -> FinetuneConfig:
+    return FinetuneConfig(steps=150, lr_scale=0.05, eval_every=25, patience=3)
+
+
+class QatConfig(StepConfig):
+    """Quantization-aware training of the candidate's torch model (see ``docs/quantization.md``)."""
+
+    kind: ClassVar[str] = "qat"
+    not_in_key: ClassVar[frozenset[str]] = frozenset({"progress"})
+
+    finetune: FinetuneConfig = Field(
+        default_factory=_default_finetune,
+        description="distillation settings; lr_scale 0.05: 0.05x the task's LEARNING_RATE",
+    )
+    freeze_bn_after: int | None = Field(
+        100, ge=0, description="steps after which BatchNorm statistics freeze (null: never)"
+    )
+    freeze_observers_after: int | None = Field(
+        120, ge=0, description="steps after which the activation ranges freeze (null: never)"
+    )
+    calibration_samples: int = Field(512, ge=1, le=100_000, description="rows for the ranges")
+    check_samples: int = Field(64, ge=1, le=10_000, description="rows for the export check")
+    min_export_cosine: float = Field(0.999, gt=0.0, le=1.0)
+    compare_ptq: bool = Field(
+        True, description="also build full and mixed-precision PTQ of the same format to compare"
+    )
+    opset: int = Field(17, ge=13, le=21, description="per-channel QDQ needs opset 13 or later")
+    progress: bool = True
+
+
+class _Checkpoint:
+    """The training state in one file (:class:`..finetune.TrainCheckpoint`), atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.path.is_file():
+            return None
+        state: dict[str, Any] = torch.load(self.path, weights_only=True)
+        log.info("qat: continuing at step %d from %s", state["step"], self.path)
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(self.path, buf.getvalue())
+
+
+class QatHooks(DistillHooks):
+    """Freezes BatchNorm statistics and range observers at their configured steps, and records
+    when (a resumed run re-applies what its checkpointed steps had frozen)."""
+
+    def __init__(self, cfg: QatConfig) -> None:
+        self.cfg = cfg
+        self.bn_frozen_at: int | None = None
+        self.observers_frozen_at: int | None = None
+
+    def before_forward(self, step: int, student: Any) -> None:
+        bn, obs = self.cfg.freeze_bn_after, self.cfg.freeze_observers_after
+        if bn is not None and step > bn and self.bn_frozen_at is None:
+            fq.freeze_bn(student)
+            self.bn_frozen_at = step - 1
+        if obs is not None and step > obs and self.observers_frozen_at is None:
+            fq.freeze_observers(student)
+            self.observers_frozen_at = step - 1
+
+    def record(self, steps: int) -> dict[str, Any]:
+        def when(at: int | None, after: int | None) -> str:
+            if at is not None:
+                return f"frozen after step {at} (freeze after {after})"
+            return f"never frozen during the {steps} steps run (freeze after {after})"
+
+        return {
+            "batchnorm": when(self.bn_frozen_at, self.cfg.freeze_bn_after),
+            "batchnorm_frozen_at": self.bn_frozen_at,
+            "observers": when(self.observers_frozen_at, self.cfg.freeze_observers_after),
+            "observers_frozen_at": self.observers_frozen_at,
+        }
+
+
+def _input_module(cand: Candidate, ctx: StepContext) -> Any:
+    if cand.module is None:
+        raise StepError(
+            f"qat needs a torch model, but candidate {cand.name} is an ONNX file only; give a "
+            "task .py whose model() returns the torch.nn.Module"
+        )
+    return cand.module
+
+
+def _check_data(ctx: StepContext) -> None:
+    if next(iter(ctx.task.calibration_data()), None) is None:
+        raise DataError(
+            f"task {ctx.task.name}: qat needs calibration_data() batches to set the INT8 ranges "
+            "and train_data() (or the calibration inputs) to fine-tune on, and "
+            "calibration_data() yielded none; define calibration_data() returning input batches"
+        )
+
+
+def _state_dir(cfg: QatConfig, cand: Candidate, ctx: StepContext) -> Path:
+    return ctx.step_cache().work_dir(ctx.cache_key(cfg, cand, config=cfg.key_dict()))
+
+
+def _frozen(module: Any) -> Any:
+    teacher = private_copy(module).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
+    """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
+    fmt = fq.format_for(detect_cpu())
+    data, source, note = resolve_data(ctx.task, cfg.finetune)
+    if note:
+        ctx.warn(note)
+    example = to_tensors(ctx.task.sample_inputs(2))
+    student = fq.prepare(module, example, fmt)
+    rows = fq.calibrate(student, ctx.task.calibration_data(), cfg.calibration_samples)
+    hooks = QatHooks(cfg)
+    ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
+    ft = distill(
+        student,
+        _frozen(module),
+        data,
+        ft_cfg,
+        output_kind=ctx.task.output_kind,
+        task=ctx.task,
+        desc="qat",
+        checkpoint=_Checkpoint(state / "train.pt"),
+        hooks=hooks,
+    )
+    fq.freeze_observers(student)
+    fq.freeze_bn(student)
+    return {
+        "student": student.eval(),
+        "format": fmt,
+        "record": {
+            "format": fmt.to_dict(),
+            "calibration_rows": rows,
+            "data": source,
+            "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
+            "history": ft.history,
+            "freezing": hooks.record(ft.steps),
+        },
+    }
+
+
+def _node_of_op(model: Any, message: str) -> str | None:
+    """The module (and its class) whose traced code calls the op the exporter named, from the FX
+    graph's module stack: FX inlines user modules, so the op is a node, not a leaf module."""
+    found = re.search(r"aten::(\w+)", message)
+    graph = getattr(model, "graph", None)
+    if found is None or graph is None:
+        return None
+    op = found.group(1)
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.op in ("call_function", "call_method") and name == op:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            if not stack:
+                return f"the model's own forward (op aten::{op})"
+            path, cls = stack[-1]
+            cls_name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1])
+            return f"module {path} ({cls_name}): op aten::{op}"
+    return None
+
+
+def _failing_module(model: Any, sample: dict[str, np.ndarray], opset: int) -> str:
+    """The first leaf module (in call order) that the exporter cannot export alone, with the
+    exporter's message: it names the op."""
+    import torch
+
+    from ...export import export_module
+
+    calls: list[tuple[str, Any, tuple[Any, ...]]] = []
+    handles = [
+        m.register_forward_hook(lambda mod, args, out, n=n: calls.append((n, mod, args)))
+        for n, m in model.named_modules()
+        if n and not list(m.children())
+    ]
+    try:
+        with torch.no_grad():
+            model(**to_tensors(sample))
+    finally:
+        for h in handles:
+            h.remove()
+    for name, mod, args in calls:
+        if not args or not all(isinstance(a, torch.Tensor) for a in args):
+            continue
+        feed = {f"in{i}": a.detach().numpy() for i, a in enumerate(args)}
+        try:
+            export_module(_positional(mod, len(args)), feed, Path("/dev/null"), opset)
+        except ExportError as err:
+            return f"module {name} ({type(mod).__name__}): {error_text(err)}"
+        except Exception:
+            continue
+    return "no single module fails alone"
+
+
+def _positional(mod: Any, n: int) -> Any:
+    import torch
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = mod
+
+        def forward(self, *args: Any) -> Any:  # export_module passes the inputs in order
+            return self.inner(*args[:n])
+
+    return Wrapped()
+
+
+def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[str, Any]]:
+    from ...export import export_module
+
+    sample = ctx.task.sample_inputs(cfg.check_samples)
+    model = fq.export_module_for(student)
+    path = ctx.workdir / "qat.onnx"
+    try:
+        export_module(model, sample, path, cfg.opset)
+    except ExportError as err:
+        where = _node_of_op(model, error_text(err)) or _failing_module(
+            model, ctx.task.sample_inputs(2), cfg.opset
+        )
+        raise ExportError(
+            f"QDQ export of the fake-quant model failed at {where} (whole model: "
+            f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
+        ) from None
+    return path, _verify(model, path, sample, cfg, ctx.threads)
+
+
+def _verify(
+    model: Any, path: Path, sample: dict[str, np.ndarray], cfg: QatConfig, threads: int
+) -> dict[str, Any]:
+    """ONNX Runtime's outputs against the fake-quant model's (cosine per row)."""
+    import torch
+
+    from ...measure.runners import ort_session
+
+    with torch.no_grad():
+        ref = model(**to_tensors(sample)).float().numpy()
+    sess = ort_session(path, threads)
+    got = sess.run(None, {k: np.ascontiguousarray(v) for k, v in sample.items()})[0]
+    a, b = ref.reshape(len(ref), -1), got.reshape(len(got), -1)
+    cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    out: dict[str, Any] = {
+        "rows": len(a),
+        "cosine_mean": float(cos.mean()),
+        "cosine_min": float(cos.min()),
+        "max_abs_err": float(np.abs(a - b).max()),
+        "exporter": "torchscript (torch.onnx.export dynamo=False)",
+    }
+    if out["cosine_mean"] < cfg.min_export_cosine:
+        raise StepError(
+            f"ONNX Runtime's outputs of the QDQ export differ from the fake-quant model: mean "
+            f"cosine {out['cosine_mean']:.5f} < {cfg.min_export_cosine}"
+        )
+    return out
+
+
+def run_qat(
+    cfg: QatConfig, cand: Candidate, ctx: StepContext, ptq: PtqRows | None = None
+) -> Candidate:
+    """QAT on ``cand``'s torch model; ``ptq``: post-training rows to compare against (the
+    quantize step's, when it falls back to QAT), else built here when ``compare_ptq``."""
+    t0 = time.perf_counter()
+    module = _input_module(cand, ctx)
+    _check_data(ctx)
+    state = _state_dir(cfg, cand, ctx)
+    with torch_threads(ctx.threads):
+        trained = _train(cfg, module, ctx, state)
+        path, check = _export(cfg, trained["student"], ctx)
+    kernels = kernel_report(path, ctx.threads)
+    qat = Candidate("qat", "qat", cand.name, onnx=path)
+    if ptq is None and cfg.compare_ptq and cand.onnx is not None:
+        ptq = ptq_rows(ctx, cand, trained["format"])
+    table = compare_rows(ctx, qat, kernels, ptq)
+    shutil.rmtree(state, ignore_errors=True)
+    meta = {
+        **trained["record"],
+        "label": trained["format"].label,
+        "export_check": check,
+        "kernels": kernels,
+        "fallback_report": kernels["summary"],
+        "comparison": table,
+        "step_wall_s": round(time.perf_counter() - t0, 2),
+    }
+    qat.meta, qat.measurement = meta, table.get("qat_measurement")
+    return qat
+
+
+@step(
+    QatConfig,
+    contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
+    version=1,
+    reads=("target", "budget", "bench", "steps.quantize"),
+    packages=("torch", "onnx", "onnxruntime", "numpy"),
+)
+def qat_step(cfg: QatConfig, cand: Candidate, ctx: StepContext) -> Candidate:
+    return run_qat(cfg, cand, ctx)

@@ -1,0 +1,67 @@
+"""Report section of quantization-aware training: FP32, full PTQ, mixed-precision PTQ and QAT."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from . import section
+from .html import fmt, table
+
+__all__ = ["qat_comparison"]
+
+_ROWS = (("fp32", "FP32"), ("ptq_full", "full INT8 PTQ"), ("ptq_mixed", "PTQ, mixed precision"))
+
+
+def _qat_candidates(m: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in m.get("candidates", []) if "comparison" in (c.get("meta") or {})]
+
+
+def _cells(label: str, row: dict[str, Any]) -> list[Any]:
+    lat = row.get("latency_ms") or {}
+    size = row.get("size_bytes")
+    return [
+        html.escape(label),
+        fmt(row.get("metric")),
+        fmt(row.get("cosine_mean")),
+        fmt(lat.get("p50")),
+        f"{size / 1e6:.2f} MB" if size else "n/a",
+        f"{row.get('int8_share', 0.0):.0%} ({html.escape(str(row.get('kernels', '')))})",
+    ]
+
+
+def _verdicts(v: dict[str, Any]) -> str:
+    parts = []
+    if v.get("metric_recovered_share") is not None:
+        parts.append(f"metric PTQ lost, recovered by QAT: {v['metric_recovered_share']:.0%}")
+    if v.get("cosine_mean_recovered_share") is not None:
+        parts.append(f"cosine recovered: {v['cosine_mean_recovered_share']:.0%}")
+    if "latency_vs_ptq_full" in v:
+        parts.append(f"QAT latency {v['latency_vs_ptq_full']:.2f}x full PTQ")
+    if "latency_vs_ptq_mixed" in v:
+        parts.append(f"{v['latency_vs_ptq_mixed']:.2f}x mixed-precision PTQ")
+    return "; ".join(parts)
+
+
+@section(310, "Quantization-aware training")
+def qat_comparison(m: dict[str, Any], run_dir: Path) -> str | None:
+    out = ""
+    for c in _qat_candidates(m):
+        meta = c["meta"]
+        comp = meta["comparison"]
+        rows = [_cells(label, comp["rows"][k]) for k, label in _ROWS if k in comp["rows"]]
+        rows.append(_cells(f"QAT ({meta.get('label', '')})", comp["rows"]["qat"]))
+        fz = meta.get("freezing", {})
+        out += (
+            f"<p><b>{html.escape(c['name'])}</b>: "
+            f"{'kept' if c.get('accepted') else 'rejected'}: {html.escape(str(c.get('reason')))}. "
+            f"BatchNorm {html.escape(str(fz.get('batchnorm')))}; ranges "
+            f"{html.escape(str(fz.get('observers')))}. Export check: "
+            f"{html.escape(str(meta.get('export_check')))}.</p>"
+        )
+        out += table(["model", "metric", "cosine", "p50 ms", "size", "ops in INT8"], rows)
+        out += f"<p>{html.escape(_verdicts(comp.get('verdicts', {})))}</p>"
+        for note in comp.get("notes", []):
+            out += f"<p class='warn'>{html.escape(note)}</p>"
+    return out or None
