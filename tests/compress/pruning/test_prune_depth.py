@@ -183,7 +183,7 @@ def test_dropping_every_layer_is_an_error_even_when_first_and_last_may_go() -> N
 
 
 def test_layers_config_takes_exactly_one_request() -> None:
-    with pytest.raises(ValueError, match="exactly one of drop, target or keep"):
+    with pytest.raises(ValueError, match="exactly one of drop, target, keep or latency"):
         LayersConfig(drop=1, target=0.2)
     with pytest.raises(ValueError, match="exactly one"):
         LayersConfig()
@@ -353,3 +353,65 @@ def test_a_run_killed_while_recovering_the_layers_continues_inside_the_recovery(
     assert recovery["resumed_from_step"] == 10 and recovery["steps"] == 20
     assert swept == []  # the layer sensitivity table came from the checkpoint
     assert len(cand.module.encoder.encoder.layer) == 3
+
+
+# -- depth and width together, priced by measured latency ------------------------------------------
+def _fake_benchmark(cands: list[Candidate], *a: Any, **kw: Any) -> dict[str, Any]:
+    """A stand-in for the interleaved benchmark: latency proportional to the ONNX file's size
+    (weights dominate these tiny graphs), so the test does not depend on this CPU's speed."""
+    from slimline.measure.latency import summarize_latency
+
+    out = {}
+    for c in cands:
+        assert c.onnx is not None
+        ms = c.onnx.stat().st_size / 1e5
+        out[c.name] = {"latency_ms": summarize_latency([np.full(5, ms)] * 3)}
+    return out
+
+
+def test_choose_takes_the_least_loss_among_the_options_fast_enough() -> None:
+    from slimline.compress.pruning.pricing import Option, choose
+    from slimline.errors import StepError
+
+    opts = [
+        Option("a", [], [0, 1, 2], 0.0, loss=0.0, ratio=1.0),
+        Option("b", [1], [0, 2], 0.0, loss=0.05, ratio=0.66),
+        Option("c", [], [0, 1, 2], 0.5, loss=0.02, ratio=0.72),
+        Option("d", [1], [0, 2], 0.5, loss=0.09, ratio=0.45),
+        Option("e", [], [0, 1, 2], 0.25, error="ExportError: failed"),
+    ]
+    assert choose(opts, 0.7).name == "b"
+    assert choose(opts, 0.75).name == "c"
+    with pytest.raises(StepError, match=r"no depth/width option reaches 0\.40x.*d, timed 0\.450x"):
+        choose(opts, 0.4)
+
+
+def test_a_latency_plan_prices_depth_and_width_options_and_ships_the_chosen_shape(
+    bert: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import slimline.measure.latency as latency
+
+    monkeypatch.setattr(latency, "benchmark", _fake_benchmark)
+    cfg = _cfg({"latency": 0.8, "widths": [0.5], "price_rounds": 2}, round_to=8,
+               keep_first_last=False, rounds=1)  # fmt: skip
+    ctx = make_context(bert, tmp_path)
+    cand = prune_step(cfg, _fp32(bert), ctx)
+    layers = cand.meta["layers"]
+    options = layers["options"]
+    assert [o["name"] for o in options] == [
+        f"drop{k}-width{w}" for k in range(3) for w in ("0", "0.5")
+    ]
+    assert options[0]["ratio"] == 1.0 and options[0]["loss"] == pytest.approx(0.0, abs=1e-6)
+    fits = [o for o in options if o["ratio"] <= 0.8]
+    best = min(fits, key=lambda o: o["loss"])
+    assert layers["plan"]["dropped"] == best["dropped"] and layers["width"] == best["width"]
+    assert len(cand.module.encoder.encoder.layer) == 4 - len(best["dropped"])
+    if best["width"] > 0:  # thinned as the option was timed: every group by the same share
+        assert cand.meta["plan"] and set(cand.meta["plan"].values()) == {best["width"]}
+    sample = bert.sample_inputs(4)
+    restored = restore_pruned(ctx.workdir, cand.meta, bert)
+    np.testing.assert_allclose(
+        TorchRunner("r", restored, 1).run(sample),
+        TorchRunner("t", cand.module, 1).run(sample),
+        atol=1e-6,
+    )

@@ -36,6 +36,7 @@ __all__ = [
     "find_stack",
     "layer_sensitivity",
     "make_depth_plan",
+    "plan_of",
     "replay_history",
 ]
 
@@ -56,6 +57,22 @@ class LayersConfig(Config):
     keep: list[int] | None = Field(
         None, description="the layers to keep, by index (skips the sensitivity table)"
     )
+    latency: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="drop layers and thin the rest until the shape times at this share of the "
+        "unpruned model's latency on the target (options priced by timing, before recovery)",
+    )
+    widths: list[float] = Field(
+        default_factory=lambda: [0.0],
+        description="with latency: the shares of every width group (heads, FFN neurons) to "
+        "try removing from the kept layers",
+    )
+    price_rounds: int = Field(5, ge=1, le=50, description="interleaved rounds timing options")
+    price_int8: bool = Field(
+        True, description="time options quantized (dynamic S8 per-channel), as INT8 will run"
+    )
     keep_first_last: bool = Field(True, description="never drop the first or the last layer")
     sensitivity_samples: int = Field(200, ge=1, description="evaluation rows per layer dropped")
     fidelity_weight: float = Field(1.0, ge=0.0, description="weight of (1 - cosine) in the loss")
@@ -67,13 +84,22 @@ class LayersConfig(Config):
             raise ValueError("keep must list distinct layer indices >= 0, e.g. [0, 2, 3, 5]")
         return None if v is None else sorted(v)
 
+    @field_validator("widths")
+    @classmethod
+    def _valid_widths(cls, v: list[float]) -> list[float]:
+        if any(not 0.0 <= w < 1.0 for w in v):
+            raise ValueError("widths are shares in [0, 1), e.g. [0, 0.25]")
+        return sorted({0.0, *v})
+
     @model_validator(mode="after")
     def _one_request(self) -> LayersConfig:
-        given = [k for k in ("drop", "target", "keep") if getattr(self, k) is not None]
+        given = [k for k in ("drop", "target", "keep", "latency") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(
-                f"layers needs exactly one of drop, target or keep (got {given or 'none'})"
+                f"layers needs exactly one of drop, target, keep or latency (got {given or 'none'})"
             )
+        if self.widths != [0.0] and self.latency is None:
+            raise ValueError("layers.widths needs layers.latency (options priced by timing)")
         return self
 
 
@@ -280,8 +306,8 @@ def make_depth_plan(
     the table's loss) until ``drop`` layers or ``target`` of the MACs are gone."""
     if cfg.keep is not None:
         given = [i for i in range(stack.size) if i not in cfg.keep]
-        return _plan(stack, given, per, total, None, "layers.keep given in the recipe")
-    assert table is not None, "a drop or target request needs the sensitivity table"
+        return plan_of(stack, given, per, total, None, "layers.keep given in the recipe")
+    assert table is not None and cfg.latency is None, "drop or target, with the table"
     loss = {r["layer"]: float(r["loss"]) for r in table["rows"]}
     order = sorted(droppable(stack.size, cfg.keep_first_last), key=lambda i: (loss[i], i))
     dropped: list[int] = []
@@ -293,10 +319,10 @@ def make_depth_plan(
         dropped.append(i)
     ranked = ", ".join(f"{i}: {loss[i]:.4f}" for i in order)
     reason = f"least sensitive first (loss when dropped alone: {ranked})"
-    return _plan(stack, dropped, per, total, sum(loss[i] for i in dropped), reason)
+    return plan_of(stack, dropped, per, total, sum(loss[i] for i in dropped), reason)
 
 
-def _plan(
+def plan_of(
     stack: StackInfo,
     dropped: list[int],
     per: list[float],

@@ -51,6 +51,7 @@ from .depth import (
     layer_macs,
     layer_sensitivity,
     make_depth_plan,
+    plan_of,
     replay_history,
 )
 from .graph import (
@@ -61,6 +62,7 @@ from .graph import (
     sync_attention,
 )
 from .planner import Plan, check_reachable, make_plan, plan_from_ratios
+from .pricing import Option, ShapeSpec, choose, price_options
 from .sensitivity import Evaluator, SweepSpec, run_sweep, table_losses
 
 __all__ = ["PruneConfig", "prune_step", "restore_pruned"]
@@ -629,11 +631,12 @@ def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     if request is not None:
         depth = _run_depth(cfg, ctx, cand, module, teacher, data, state, example, request)
         base_history.append(depth.entry)
-    if cfg.thins:
+    if cfg.thins or (depth is not None and depth.width > 0):
         start = depth.model if depth is not None else module
         hooks = depth.hooks if depth is not None else None
+        uniform = depth.width if depth is not None and depth.width > 0 else None
         pruned, width_meta = _width(
-            cfg, ctx, cand, start, teacher, (data, source), state, base_history, hooks
+            cfg, ctx, cand, start, teacher, (data, source), state, base_history, hooks, uniform
         )
     else:
         assert depth is not None, "a step that does not thin drops layers"
@@ -674,22 +677,32 @@ def _width(
     state: RoundState,
     base_history: list[Any],
     hooks: DistillHooks | None,
+    uniform: float | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Heads, neurons and channels of ``start`` thinned to the plan, round by round."""
+    """Heads, neurons and channels of ``start`` thinned to the plan (the planner's, or the
+    same ``uniform`` share in every group, as a latency-priced option was timed), round by
+    round."""
     data, source = data_source
     graph = _graph(cfg, start, to_tensors(ctx.task.sample_inputs(cfg.example_batch)))
     cost = CostModel(graph)
     depth = next((h for h in reversed(base_history) if isinstance(h, dict)), None)
-    plan, table = _plan(
-        cfg,
-        ctx,
-        graph,
-        cost,
-        lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
-        state,
-        _sweep_key(cfg, cand, ctx, depth),
-        base_history,
-    )
+    if uniform is not None:
+        ratios = {n: min(uniform, cfg.max_ratio) for n in graph.groups}
+        plan = plan_from_ratios(
+            graph.groups, ratios, cost, by=cfg.by, max_ratio=cfg.max_ratio, round_to=cfg.round_to
+        )
+        table = None
+    else:
+        plan, table = _plan(
+            cfg,
+            ctx,
+            graph,
+            cost,
+            lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
+            state,
+            _sweep_key(cfg, cand, ctx, depth),
+            base_history,
+        )
     state.save(plan=plan.to_dict())
     resumed = state.rounds_done
     records = _run_rounds(cfg, ctx, graph, teacher, data, source, plan, state, hooks)
@@ -712,9 +725,15 @@ DepthRequest = tuple[StackInfo, list[float], int]  # the stack, MACs per layer, 
 
 class _Depth:
     def __init__(
-        self, model: Any, entry: dict[str, Any], hooks: LayerMapHooks, meta: dict[str, Any]
+        self,
+        model: Any,
+        entry: dict[str, Any],
+        hooks: LayerMapHooks,
+        meta: dict[str, Any],
+        width: float = 0.0,
     ) -> None:
         self.model, self.entry, self.hooks, self.meta = model, entry, hooks, meta
+        self.width = width  # share to thin every width group by next (a latency-priced plan)
 
 
 def _check_depth(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> DepthRequest | None:
@@ -777,7 +796,13 @@ def _run_depth(
     assert cfg.layers is not None
     stack, per, total = request
     table = _depth_table(cfg, ctx, cand, teacher, stack, example, state)
-    plan = make_depth_plan(cfg.layers, stack, per, total, table)
+    options, chosen = None, None
+    if cfg.layers.latency is not None:
+        assert table is not None
+        options, chosen = _priced(cfg, ctx, teacher, stack, table, example, state)
+        plan = plan_of(stack, chosen.dropped, per, total, chosen.loss, _why(chosen, cfg))
+    else:
+        plan = make_depth_plan(cfg.layers, stack, per, total, table)
     state.save(depth_plan=plan.to_dict())
     student = drop_layers(private_copy(module).eval(), stack.path, plan.keep)
     hooks = LayerMapHooks(stack.path, stack.path, plan.keep)
@@ -786,10 +811,63 @@ def _run_depth(
         student.load_state_dict(torch.load(state.root / DEPTH_WEIGHTS, weights_only=True))
         log.info("prune layers: reusing the recovered depth-pruned model in %s", state.root)
     else:
-        record = _recover_depth(cfg, ctx, student, teacher, data, state, hooks)
+        last = not cfg.thins and (chosen is None or chosen.width == 0)
+        record = _recover_depth(cfg, ctx, student, teacher, data, state, hooks, last)
     meta = {"stack": stack.path, "block": stack.block, "plan": plan.to_dict(),
-            "sensitivity": table, "recovery": record}  # fmt: skip
-    return _Depth(student.eval(), drop_entry(stack.path, plan.keep), hooks, meta)
+            "sensitivity": table, "recovery": record,
+            "options": None if options is None else [o.to_dict() for o in options],
+            "width": None if chosen is None else chosen.width}  # fmt: skip
+    width = chosen.width if chosen is not None else 0.0
+    return _Depth(student.eval(), drop_entry(stack.path, plan.keep), hooks, meta, width)
+
+
+def _why(chosen: Option, cfg: PruneConfig) -> str:
+    assert cfg.layers is not None and chosen.ratio is not None
+    return (
+        f"least loss before recovery ({chosen.loss:.4f}) among the options timed at or below "
+        f"{cfg.layers.latency:.2f}x of the unpruned latency: {chosen.name} at {chosen.ratio:.3f}x"
+    )
+
+
+def _priced(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    teacher: Any,
+    stack: StackInfo,
+    table: dict[str, Any],
+    example: dict[str, Any],
+    state: RoundState,
+) -> tuple[list[Option], Option]:
+    """The options priced by timing (once: a resumed run keeps the first run's choice)."""
+    from ...export import ExportConfig
+
+    layers = cfg.layers
+    assert layers is not None and layers.latency is not None
+    saved = state.data.get("depth_options")
+    if saved is not None:
+        options = [Option(**o) for o in saved]
+        return options, choose(options, layers.latency)
+    spec = ShapeSpec(tuple(cfg.exclude), cfg.keep_first_last, cfg.round_to, cfg.max_ratio, cfg.by)
+    options = price_options(
+        teacher=teacher,
+        stack=stack,
+        table=table,
+        widths=layers.widths,
+        keep_first_last=layers.keep_first_last,
+        spec=spec,
+        evaluator=Evaluator(teacher, ctx.task, layers.sensitivity_samples, example),
+        fidelity_weight=layers.fidelity_weight,
+        example=example,
+        sample=ctx.task.sample_inputs(1),
+        workdir=state.root / "options",
+        opset=ctx.recipe.step_config(ExportConfig).opset,
+        int8=layers.price_int8,
+        threads=ctx.threads,
+        rounds=layers.price_rounds,
+    )
+    shutil.rmtree(state.root / "options", ignore_errors=True)
+    state.save(depth_options=[o.to_dict() for o in options])
+    return options, choose(options, layers.latency)
 
 
 def _recover_depth(
@@ -800,10 +878,11 @@ def _recover_depth(
     data: Any,
     state: RoundState,
     hooks: LayerMapHooks,
+    last: bool,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     update: dict[str, Any] = {"progress": cfg.progress and cfg.finetune.progress}
-    if not cfg.thins and cfg.final_steps is not None:  # the depth recovery is what ships
+    if last and cfg.final_steps is not None:  # the depth recovery is what ships
         update["steps"] = cfg.final_steps
     ft = distill(
         student,
