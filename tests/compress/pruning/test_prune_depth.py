@@ -415,3 +415,9 @@ def test_a_latency_plan_prices_depth_and_width_options_and_ships_the_chosen_shap
         TorchRunner("t", cand.module, 1).run(sample),
         atol=1e-6,
     )
+
+
+def test_a_width_only_step_keeps_its_cache_key() -> None:
+    key = PruneConfig(target=0.3).key_dict()
+    assert "layers" not in key and "width" not in key
+    assert PruneConfig(layers={"drop": 1}).key_dict()["layers"]["drop"] == 1

@@ -126,6 +126,15 @@ class PruneConfig(StepConfig):
     )
     progress: bool = True
 
+    def key_dict(self) -> dict[str, Any]:
+        """Without ``layers`` and ``width`` while unset: a width-only step keeps the cache key
+        it had before depth pruning existed (its result did not change)."""
+        data = super().key_dict()
+        for name in ("layers", "width"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
     @property
     def thins(self) -> bool:
         """Whether the step prunes width (heads, neurons, channels) to ``target``."""
