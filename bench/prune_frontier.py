@@ -57,8 +57,14 @@ def _chosen_spec(manifest: dict[str, Any]) -> QuantSpec:
 
 def _every_layer(spec: QuantSpec, samples: int) -> QuantizeConfig:
     """The quantize step applying ``spec`` to every layer (no float layers, no mixed precision)."""
+    fields = spec.to_dict()
+    tables = bool(fields.pop("embeddings", False))  # the step's name for it
     return QuantizeConfig(
-        **spec.to_dict(), samples=samples, keep_first_last_float=False, mixed_precision=False
+        **fields,
+        quantize_embeddings=tables,
+        samples=samples,
+        keep_first_last_float=False,
+        mixed_precision=False,
     )
 
 
@@ -70,6 +76,7 @@ def frontier(
     repeats: int,
     work: Path,
     samples: int = 512,
+    int8_only: bool = False,
 ) -> dict[str, Any]:
     first = _manifest(run_dirs[0])
     task = load_task(first["task"]["source"])
@@ -87,6 +94,16 @@ def frontier(
     quant = _every_layer(spec, samples)
     points: list[dict[str, Any]] = []
     cands = [base]
+    if int8_only:  # the unpruned model quantized the same way: what pruning must beat
+        q = api.quantize(ctx, base, quant, workdir=work / "int8-only")
+        cand = Candidate(name="int8-only", step="quantize", parent="fp32-onnx", onnx=q.onnx)
+        quality = api.evaluate(ctx, cand)
+        points.append({"run_dir": "INT8 only (unpruned)", "name": cand.name, "macs_removed": 0.0,
+                       "pruned_accepted": True, "pruned_cosine": 1.0,
+                       "int8_cosine": quality.fidelity_dict()["cosine_mean"],
+                       "int8_metric": quality.metric,
+                       "int8_kernels": q.meta["fallback_report"]})  # fmt: skip
+        cands.append(cand)
     for i, run_dir in enumerate(run_dirs):
         m = _manifest(run_dir)
         pruned = _by_name(m, "prune", run_dir)
@@ -109,9 +126,10 @@ def frontier(
         )
         cands.append(cand)
     bench = BenchConfig(rounds=rounds, runs_per_round=runs, warmup=10)
-    reps = []
+    reps, raw = [], []
     for r in range(repeats):
         res = benchmark(cands, sample, bench, threads, throughput=False, desc=f"repeat {r + 1}")
+        raw.append(res)
         reps.append(
             {p["name"]: paired_speedup(res["fp32-onnx"]["latency_ms"], res[p["name"]]["latency_ms"])
              for p in points}
@@ -120,6 +138,10 @@ def frontier(
         ratios = [rep[p["name"]]["ratio"] for rep in reps]
         p["int8_ratio_per_repeat"] = ratios
         p["int8_ratio"] = float(np.median(ratios))
+        if int8_only:  # paired by round: each repeat's per-round ratios against INT8 only
+            vs = [_vs(res_i, p["name"]) for res_i in raw]
+            p["vs_int8_only_per_repeat"] = vs
+            p["vs_int8_only"] = float(np.median(vs))
     return {
         "task": first["task"]["source"],
         "metric_name": first["task"]["metric_name"],
@@ -134,6 +156,10 @@ def frontier(
     }
 
 
+def _vs(res: dict[str, Any], name: str) -> float:
+    return float(paired_speedup(res["int8-only"]["latency_ms"], res[name]["latency_ms"])["ratio"])
+
+
 def _markdown(doc: dict[str, Any], cmd: str) -> str:
     metric = doc["metric_name"]
     lines = [
@@ -143,8 +169,8 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         "",
         f"| run | MACs removed | pruned cosine (step) | pruned + INT8 cosine | {metric} (FP32 "
         f"{doc['fp32_metric']:.4f}) | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio "
-        "(repeats) |",
-        "|---|---|---|---|---|---|---|",
+        "(repeats) |" + (" / INT8 only (repeats) |" if _has_vs(doc) else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if _has_vs(doc) else ""),
     ]
     for p in doc["points"]:
         macs = figure(p["macs_removed"], ".1%")
@@ -153,11 +179,22 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         lines.append(
             f"| `{Path(p['run_dir']).name}` | {macs} | {p['pruned_cosine']:.4f} ({state}) | "
             f"{p['int8_cosine']:.4f} | {p['int8_metric']:.4f} | {p['int8_kernels']} | "
-            f"**{p['int8_ratio']:.3f}x** ({reps}) |"
+            f"**{p['int8_ratio']:.3f}x** ({reps}) |" + _vs_cell(p)
         )
     lines += ["", *[f"- warning: {w}" for w in doc["warnings"]]]
     lines += reproduce_footer(cmd)
     return "\n".join(lines)
+
+
+def _has_vs(doc: dict[str, Any]) -> bool:
+    return any("vs_int8_only" in p for p in doc["points"])
+
+
+def _vs_cell(p: dict[str, Any]) -> str:
+    if "vs_int8_only" not in p:
+        return ""
+    reps = ", ".join(f"{r:.3f}" for r in p["vs_int8_only_per_repeat"])
+    return f" **{p['vs_int8_only']:.3f}x** ({reps}) |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,12 +211,24 @@ def main(argv: list[str] | None = None) -> int:
         help='INT8 setting as JSON, e.g. \'{"mode": "dynamic", "per_channel": true}\' '
         "(default: what the first run's quantize step chose)",
     )
+    parser.add_argument(
+        "--int8-only",
+        action="store_true",
+        help="also the unpruned model quantized the same way, and every ratio against it",
+    )
     parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = parser.parse_args(argv)
     spec = QuantSpec(**args.spec) if args.spec else None
     with tempfile.TemporaryDirectory() as tmp:
         doc = frontier(
-            args.run_dirs, spec, args.rounds, args.runs, args.repeats, Path(tmp), args.samples
+            args.run_dirs,
+            spec,
+            args.rounds,
+            args.runs,
+            args.repeats,
+            Path(tmp),
+            args.samples,
+            args.int8_only,
         )
     cmd = reproduce_command("prune_frontier.py", argv)
     publish(_markdown(doc, cmd), doc, args.out)

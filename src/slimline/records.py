@@ -93,7 +93,7 @@ class PruneRecord(TypedDict, total=False):
     the export check, the torch-side view, and the files it saved to restore the module."""
 
     plan: dict[str, float]
-    planned: dict[str, Any]
+    planned: dict[str, Any] | None
     groups: dict[str, dict[str, Any]]
     skipped_groups: dict[str, str]
     sensitivity: dict[str, Any] | None
@@ -105,6 +105,8 @@ class PruneRecord(TypedDict, total=False):
     params: dict[str, Any]
     export_check: dict[str, Any]
     torch: dict[str, Any] | None
+    layers: dict[str, Any] | None  # depth pruning: stack, plan, sensitivity, recovery, options
+    history: list[Any]
     weights: str
     history_file: str
 

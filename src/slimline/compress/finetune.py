@@ -91,8 +91,10 @@ class TrainCheckpoint(Protocol):
 class DistillHooks:
     """Where a technique plugs into :func:`distill` without copying its loop: QAT inserts
     fake-quant modules in ``prepare_student`` and freezes observers or BatchNorm statistics in
-    ``before_forward``; depth pruning gives the layers it keeps their own learning rates in
-    ``param_groups``. Each method does nothing by default."""
+    ``before_forward``; a technique can give parameters their own learning rates in
+    ``param_groups``; depth pruning maps each kept layer's output to the teacher layer it came
+    from in ``feature_taps``. Each method does nothing by default (``feature_taps``: the
+    modules ``finetune.features`` names)."""
 
     def prepare_student(self, student: Any) -> None:
         """Called once before the first held-out evaluation (and before a resumed state loads)."""
@@ -107,6 +109,16 @@ class DistillHooks:
 
     def on_step(self, step: int, loss: float) -> None:
         """Called after training step ``step`` with its loss."""
+
+    def feature_taps(
+        self, student: Any, teacher: Any, cfg: FinetuneConfig
+    ) -> tuple[FeatureTap, FeatureTap] | None:
+        """The hidden states the student learns from the teacher's, as a pair of taps whose
+        outputs pair up in call order: by default the modules ``cfg.features`` names in both
+        (depth pruning maps each kept layer to the teacher layer it came from)."""
+        if cfg.features and cfg.feature_weight > 0:
+            return FeatureTap(student, cfg.features), FeatureTap(teacher, cfg.features)
+        return None
 
 
 @dataclass
@@ -225,12 +237,23 @@ class FeatureTap:
 
     def __init__(self, model: Any, pattern: str) -> None:
         rx = re.compile(pattern)
-        self.names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
-        if not self.names:
+        names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
+        if not names:
             raise RecipeError(
                 f"finetune.features {pattern!r} matches no module of {type(model).__name__}; "
                 "name modules by their dotted path, e.g. 'encoder\\.layer\\.\\d+'"
             )
+        self._attach(model, names)
+
+    @classmethod
+    def of_names(cls, model: Any, names: list[str]) -> FeatureTap:
+        """A tap on the modules named ``names`` (each must exist)."""
+        tap = cls.__new__(cls)
+        tap._attach(model, names)
+        return tap
+
+    def _attach(self, model: Any, names: list[str]) -> None:
+        self.names = list(names)
         self.outputs: list[Any] = []
         mods = dict(model.named_modules())
         self._handles = [mods[n].register_forward_hook(self._hook) for n in self.names]
@@ -388,11 +411,7 @@ def distill(
         result.val_before, result.best_step = saved["val_before"], saved["best_step"]
         result.steps, result.history, result.resumed_from_step = start, saved["history"], start
     task_loss = task.loss if task is not None else None
-    taps = (
-        (FeatureTap(student, cfg.features), FeatureTap(teacher, cfg.features))
-        if cfg.features and cfg.feature_weight > 0
-        else None
-    )
+    taps = hooks.feature_taps(student, teacher, cfg)
     try:
         student.train()
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, disable=not cfg.progress, leave=False)

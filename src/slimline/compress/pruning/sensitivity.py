@@ -28,7 +28,7 @@ from ...errors import DataError, StepError
 from ...measure.quality import fidelity
 from ...module_guard import private_copy
 from ...task import Task, iter_rows
-from .graph import PruneGraph, apply_history, keep_units, prune_channels
+from .graph import PruneGraph, keep_units, prune_channels
 
 __all__ = [
     "SLOW_SWEEP_SECONDS",
@@ -134,19 +134,25 @@ class Evaluator:
                 outs.append(out.detach().float().numpy())
         return np.concatenate(outs)
 
+    @property
+    def samples(self) -> int:
+        return sum(len(next(iter(b.values()))) for b, _ in self.batches)
+
+    def score(self, model: Any) -> dict[str, float]:
+        """Task metric and mean cosine to the unpruned outputs of ``model`` on the subset."""
+        outputs = self._outputs(model)
+        fid = fidelity(outputs, self.reference, self.task.output_kind == "logits")
+        return {
+            "metric": float(self.task.metric(outputs, self.labels)),
+            "cosine": float(fid["cosine_mean"] or 0.0),
+        }
+
     def run(self, job: Job) -> dict[str, Any]:
         start = _clock()
         model = copy.deepcopy(self.model)
         prune_channels(model, self.example, job.root, list(job.idxs))
-        outputs = self._outputs(model.eval())
-        fid = fidelity(outputs, self.reference, self.task.output_kind == "logits")
-        return {
-            "group": job.group,
-            "keep": job.keep,
-            "metric": float(self.task.metric(outputs, self.labels)),
-            "cosine": float(fid["cosine_mean"] or 0.0),
-            "seconds": _clock() - start,
-        }
+        score = self.score(model.eval())
+        return {"group": job.group, "keep": job.keep, **score, "seconds": _clock() - start}
 
 
 # -- worker side -------------------------------------------------------------------------------
@@ -158,6 +164,7 @@ def _rebuild(spec: SweepSpec) -> Evaluator:
 
     from ...task import load_task
     from ..finetune import to_tensors
+    from .depth import replay_history
 
     torch.set_num_threads(spec.threads)
     task = load_task(spec.task_source, spec.task_samples)
@@ -167,7 +174,7 @@ def _rebuild(spec: SweepSpec) -> Evaluator:
         )
     example = to_tensors(spec.example)
     # a copy: model() may hand out one shared object, and the history prunes in place
-    model = apply_history(private_copy(task.model()).eval(), example, spec.history)
+    model = replay_history(private_copy(task.model()).eval(), example, spec.history)
     model.load_state_dict(torch.load(io.BytesIO(spec.state), weights_only=True))
     return Evaluator(model, task, spec.eval_limit, example)
 

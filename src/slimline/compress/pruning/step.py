@@ -31,16 +31,39 @@ from ...record import atomic_write_bytes, atomic_write_json
 from ...records import PruneRecord
 from ...steps import Contract, step
 from ...task import Task
-from ..finetune import FinetuneConfig, accumulate_gradients, distill, resolve_data, to_tensors
+from ..finetune import (
+    DistillHooks,
+    FinetuneConfig,
+    accumulate_gradients,
+    distill,
+    resolve_data,
+    to_tensors,
+)
+from .depth import (
+    LayerMapHooks,
+    LayersConfig,
+    StackInfo,
+    check_depth_request,
+    check_target,
+    drop_entry,
+    drop_layers,
+    droppable,
+    find_stack,
+    layer_macs,
+    layer_sensitivity,
+    make_depth_plan,
+    plan_of,
+    replay_history,
+)
 from .graph import (
     CostModel,
     PruneGraph,
-    apply_history,
     count_macs_params,
     keep_units,
     sync_attention,
 )
 from .planner import Plan, check_reachable, make_plan, plan_from_ratios
+from .pricing import Option, ShapeSpec, choose, price_options
 from .sensitivity import Evaluator, SweepSpec, run_sweep, table_losses
 
 __all__ = ["PruneConfig", "prune_step", "restore_pruned"]
@@ -50,6 +73,9 @@ HISTORY_ATTR = "_slimline_prune_history"  # pruning history carried by a pruned 
 WEIGHTS_FILE = "pruned.pt"
 HISTORY_FILE = "prune_history.json"
 SWEEP_KIND = "prune-sweep"  # the sensitivity tables' entries in the step cache
+DEPTH_SWEEP_KIND = "prune-depth-sweep"  # the layer sensitivity tables' entries
+DEPTH_WEIGHTS = "depth.pt"  # the depth-pruned, recovered model in a step's work directory
+DEPTH_PARTIAL = "partial-depth.pt"  # its recovery's training state, while it runs
 
 
 class PruneConfig(StepConfig):
@@ -91,7 +117,29 @@ class PruneConfig(StepConfig):
     )
     ray_address: str | None = Field(None, description="run the sweep on this Ray cluster")
     example_batch: int = Field(2, ge=1, le=64)
+    layers: LayersConfig | None = Field(
+        None, description="drop whole layers of the encoder stack first (depth pruning)"
+    )
+    width: bool | None = Field(
+        None,
+        description="thin the layers (heads, FFN neurons, channels) to `target`; default: "
+        "yes without `layers`, no with it",
+    )
     progress: bool = True
+
+    def key_dict(self) -> dict[str, Any]:
+        """Without ``layers`` and ``width`` while unset: a width-only step keeps the cache key
+        it had before depth pruning existed (its result did not change)."""
+        data = super().key_dict()
+        for name in ("layers", "width"):
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+    @property
+    def thins(self) -> bool:
+        """Whether the step prunes width (heads, neurons, channels) to ``target``."""
+        return self.width if self.width is not None else self.layers is None
 
     @field_validator("ratios")
     @classmethod
@@ -104,7 +152,7 @@ class PruneConfig(StepConfig):
 
 
 # -- restoring a pruned module (pipeline cache) ------------------------------------------------
-def _save_module(workdir: Path, module: Any, history: list[list[Any]]) -> dict[str, str]:
+def _save_module(workdir: Path, module: Any, history: list[Any]) -> dict[str, str]:
     import torch
 
     buf = io.BytesIO()
@@ -125,7 +173,7 @@ def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> Any:
         raise StepError(f"task {task.name} has no model(); a cached prune step cannot be restored")
     history = json.loads((Path(entry) / meta["history_file"]).read_text())
     model = private_copy(task.model()).eval()
-    apply_history(model, to_tensors(task.sample_inputs(2)), history)
+    replay_history(model, to_tensors(task.sample_inputs(2)), history)
     model.load_state_dict(torch.load(Path(entry) / meta["weights"], weights_only=True))
     setattr(model, HISTORY_ATTR, history)
     return model.eval()
@@ -227,11 +275,15 @@ _SWEEP_KEYS = (
 )
 
 
-def _sweep_key(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> str:
+def _sweep_key(
+    cfg: PruneConfig, cand: Candidate, ctx: StepContext, depth: dict[str, Any] | None = None
+) -> str:
     """Key of the sensitivity table of this model and sweep setting in the step cache, so that
     a run with another target, plan or fine-tuning setting reuses it."""
     conf = {k: getattr(cfg, k) for k in _SWEEP_KEYS}
     conf["data"] = cfg.finetune.data  # decides Taylor vs magnitude ranking
+    if depth is not None:  # the layers dropped first (and their recovery) shape the table
+        conf["depth"] = {"entry": depth, "finetune": cfg.finetune.key_dict()}
     return ctx.cache_key(cfg, cand, sweep=conf)
 
 
@@ -274,7 +326,7 @@ def _sweep(
     ctx: StepContext,
     graph: PruneGraph,
     order: dict[str, list[int]],
-    base_history: list[list[Any]],
+    base_history: list[Any],
 ) -> dict[str, Any]:
     import torch
 
@@ -319,7 +371,7 @@ def _plan(
     importance: Callable[[], Any],
     state: RoundState,
     sweep_key: str,
-    base_history: list[list[Any]],
+    base_history: list[Any],
 ) -> tuple[Plan, dict[str, Any] | None]:
     if cfg.plan is not None:
         plan = plan_from_ratios(
@@ -401,6 +453,7 @@ def _one_round(
     i: int,
     state: RoundState,
     partial: dict[str, Any] | None = None,
+    hooks: DistillHooks | None = None,
 ) -> dict[str, Any]:
     start = time.perf_counter()
     record: dict[str, Any] = {"round": i}
@@ -428,6 +481,7 @@ def _one_round(
         task=ctx.task,
         desc=f"prune round {i}/{cfg.rounds}",
         checkpoint=state.recovery(i),
+        hooks=hooks,
     )
     quality = ctx.evaluate(Candidate(f"prune-round-{i}", "prune", None, module=graph.model.eval()))
     macs, params = count_macs_params(graph.model, graph.example)
@@ -453,6 +507,7 @@ def _run_rounds(
     source: str,
     plan: Plan,
     state: RoundState,
+    hooks: DistillHooks | None = None,
 ) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = list(state.data.get("records", []))
     partial = state.partial()
@@ -464,7 +519,17 @@ def _run_rounds(
     first = state.rounds_done + 1
     for i in range(first, cfg.rounds + 1):
         rec = _one_round(
-            cfg, ctx, graph, teacher, data, source, plan, i, state, partial if i == first else None
+            cfg,
+            ctx,
+            graph,
+            teacher,
+            data,
+            source,
+            plan,
+            i,
+            state,
+            partial if i == first else None,
+            hooks,
         )
         records.append(rec)
         state.save_round(i, graph.model, graph.history(), records)
@@ -564,34 +629,95 @@ def prune_step(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate
 
 def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
     module = _input_module(cand)
+    example = to_tensors(ctx.task.sample_inputs(cfg.example_batch))
+    request = _check_depth(cfg, module, example)  # a plan that cannot work fails before any work
     base_history = list(getattr(module, HISTORY_ATTR, []))
     teacher = _frozen(module)
-    graph = _graph(cfg, module, to_tensors(ctx.task.sample_inputs(cfg.example_batch)))
-    cost = CostModel(graph)
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
         ctx.warn(note)
     state = RoundState(_state_dir(cfg, cand, ctx))
-    plan, table = _plan(
-        cfg,
-        ctx,
-        graph,
-        cost,
-        lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
-        state,
-        _sweep_key(cfg, cand, ctx),
-        base_history,
-    )
-    state.save(plan=plan.to_dict())
-    resumed = state.rounds_done
-    records = _run_rounds(cfg, ctx, graph, teacher, data, source, plan, state)
-    pruned = graph.model.eval()
-    history = base_history + graph.history()
+    depth = None
+    if request is not None:
+        depth = _run_depth(cfg, ctx, cand, module, teacher, data, state, example, request)
+        base_history.append(depth.entry)
+    if cfg.thins or (depth is not None and depth.width > 0):
+        start = depth.model if depth is not None else module
+        hooks = depth.hooks if depth is not None else None
+        uniform = depth.width if depth is not None and depth.width > 0 else None
+        pruned, width_meta = _width(
+            cfg, ctx, cand, start, teacher, (data, source), state, base_history, hooks, uniform
+        )
+    else:
+        assert depth is not None, "a step that does not thin drops layers"
+        pruned, width_meta = depth.model, _no_width()
+    pruned.eval()
+    history = base_history + width_meta.pop("history")
     setattr(pruned, HISTORY_ATTR, history)
     files = _save_module(ctx.workdir, pruned, history)
     onnx_path, check = _export(ctx, pruned)
-    macs_after, params_after = count_macs_params(pruned, graph.example)
+    macs_before, params_before = count_macs_params(teacher, example)
+    macs_after, params_after = count_macs_params(pruned, example)
     meta: PruneRecord = {
+        **width_meta,
+        "layers": None if depth is None else depth.meta,
+        "finetune_data": source,
+        "macs": _share(macs_before, macs_after),
+        "params": _share(params_before, params_after),
+        "export_check": check,
+        "torch": _torch_view(ctx, teacher, pruned),
+        "weights": files["weights"],
+        "history_file": files["history_file"],
+    }
+    state.clear()
+    return Candidate("prune", "prune", cand.name, onnx=onnx_path, module=pruned, meta=dict(meta))
+
+
+def _no_width() -> PruneRecord:
+    return {"plan": {}, "planned": None, "groups": {}, "sensitivity": None, "rounds": [],
+            "resumed_after_round": 0, "importance": [], "history": []}  # fmt: skip
+
+
+def _width(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    cand: Candidate,
+    start: Any,
+    teacher: Any,
+    data_source: tuple[Any, str],
+    state: RoundState,
+    base_history: list[Any],
+    hooks: DistillHooks | None,
+    uniform: float | None = None,
+) -> tuple[Any, PruneRecord]:
+    """Heads, neurons and channels of ``start`` thinned to the plan (the planner's, or the
+    same ``uniform`` share in every group, as a latency-priced option was timed), round by
+    round."""
+    data, source = data_source
+    graph = _graph(cfg, start, to_tensors(ctx.task.sample_inputs(cfg.example_batch)))
+    cost = CostModel(graph)
+    depth = next((h for h in reversed(base_history) if isinstance(h, dict)), None)
+    if uniform is not None:
+        ratios = {n: min(uniform, cfg.max_ratio) for n in graph.groups}
+        plan = plan_from_ratios(
+            graph.groups, ratios, cost, by=cfg.by, max_ratio=cfg.max_ratio, round_to=cfg.round_to
+        )
+        table = None
+    else:
+        plan, table = _plan(
+            cfg,
+            ctx,
+            graph,
+            cost,
+            lambda: _importance(cfg, ctx, graph.model, teacher, data, source)[0],
+            state,
+            _sweep_key(cfg, cand, ctx, depth),
+            base_history,
+        )
+    state.save(plan=plan.to_dict())
+    resumed = state.rounds_done
+    records = _run_rounds(cfg, ctx, graph, teacher, data, source, plan, state, hooks)
+    return graph.model, {
         "plan": {n: r for n, r in plan.ratios.items() if r > 0},
         "planned": plan.to_dict(),
         "groups": {n: {**g.to_dict(), "kept": graph.units(n)} for n, g in graph.groups.items()},
@@ -600,13 +726,195 @@ def _prune(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Candidate:
         "rounds": records,
         "resumed_after_round": resumed,
         "importance": sorted({r["importance"] for r in records if "importance" in r}),
-        "finetune_data": source,
-        "macs": _share(cost.total_macs, macs_after),
-        "params": _share(cost.total_params, params_after),
-        "export_check": check,
-        "torch": _torch_view(ctx, teacher, pruned),
-        "weights": files["weights"],
-        "history_file": files["history_file"],
+        "history": graph.history(),
     }
-    state.clear()
-    return Candidate("prune", "prune", cand.name, onnx=onnx_path, module=pruned, meta=dict(meta))
+
+
+# -- depth -------------------------------------------------------------------------------------
+DepthRequest = tuple[StackInfo, list[float], int]  # the stack, MACs per layer, the model's MACs
+
+
+class _Depth:
+    def __init__(
+        self,
+        model: Any,
+        entry: dict[str, Any],
+        hooks: LayerMapHooks,
+        meta: dict[str, Any],
+        width: float = 0.0,
+    ) -> None:
+        self.model, self.entry, self.hooks, self.meta = model, entry, hooks, meta
+        self.width = width  # share to thin every width group by next (a latency-priced plan)
+
+
+def _check_depth(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> DepthRequest | None:
+    """The stack and its per-layer MACs, after checking the request against them."""
+    if cfg.layers is None:
+        return None
+    stack = find_stack(module, cfg.layers.path)
+    check_depth_request(cfg.layers, stack)
+    per, total = layer_macs(module, example, stack)
+    check_target(cfg.layers, stack, per, total)
+    return stack, per, total
+
+
+def _depth_table(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    cand: Candidate,
+    teacher: Any,
+    stack: StackInfo,
+    example: dict[str, Any],
+    state: RoundState,
+) -> dict[str, Any] | None:
+    """Each droppable layer dropped alone (cached in the step cache, kept in the checkpoint)."""
+    layers = cfg.layers
+    assert layers is not None
+    if layers.keep is not None:
+        return None
+    candidates = droppable(stack.size, layers.keep_first_last)
+    conf = {"path": stack.path, "layers": candidates, "samples": layers.sensitivity_samples,
+            "fidelity_weight": layers.fidelity_weight}  # fmt: skip
+    key = ctx.cache_key(cfg, cand, depth_sweep=conf)
+    cache = ctx.step_cache()
+    table: dict[str, Any] | None = state.data.get("depth_sensitivity") or cache.get_json(
+        DEPTH_SWEEP_KIND, key
+    )
+    if table is None:
+        evaluator = Evaluator(teacher, ctx.task, layers.sensitivity_samples, example)
+        table = layer_sensitivity(evaluator, stack, candidates, layers.fidelity_weight)
+        cache.put_json(DEPTH_SWEEP_KIND, key, table)
+        log.info("layer sensitivity: %d layers in %.1fs", len(candidates), table["seconds"])
+    state.save(depth_sensitivity=table)
+    return table
+
+
+def _run_depth(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    cand: Candidate,
+    module: Any,
+    teacher: Any,
+    data: Any,
+    state: RoundState,
+    example: dict[str, Any],
+    request: DepthRequest,
+) -> _Depth:
+    """Drop the planned layers from a copy of ``module`` and recover it by distillation, each
+    kept layer matched to the teacher layer it came from; resumable inside the recovery."""
+    import torch
+
+    assert cfg.layers is not None
+    stack, per, total = request
+    table = _depth_table(cfg, ctx, cand, teacher, stack, example, state)
+    options, chosen = None, None
+    if cfg.layers.latency is not None:
+        assert table is not None
+        options, chosen = _priced(cfg, ctx, teacher, stack, table, example, state)
+        plan = plan_of(stack, chosen.dropped, per, total, chosen.loss, _why(chosen, cfg))
+    else:
+        plan = make_depth_plan(cfg.layers, stack, per, total, table)
+    state.save(depth_plan=plan.to_dict())
+    student = drop_layers(private_copy(module).eval(), stack.path, plan.keep)
+    hooks = LayerMapHooks(stack.path, stack.path, plan.keep)
+    record: dict[str, Any] | None = state.data.get("depth_record")
+    if record is not None and (state.root / DEPTH_WEIGHTS).is_file():
+        student.load_state_dict(torch.load(state.root / DEPTH_WEIGHTS, weights_only=True))
+        log.info("prune layers: reusing the recovered depth-pruned model in %s", state.root)
+    else:
+        last = not cfg.thins and (chosen is None or chosen.width == 0)
+        record = _recover_depth(cfg, ctx, student, teacher, data, state, hooks, last)
+    meta = {"stack": stack.path, "block": stack.block, "plan": plan.to_dict(),
+            "sensitivity": table, "recovery": record,
+            "options": None if options is None else [o.to_dict() for o in options],
+            "width": None if chosen is None else chosen.width}  # fmt: skip
+    width = chosen.width if chosen is not None else 0.0
+    return _Depth(student.eval(), drop_entry(stack.path, plan.keep), hooks, meta, width)
+
+
+def _why(chosen: Option, cfg: PruneConfig) -> str:
+    assert cfg.layers is not None and chosen.ratio is not None
+    return (
+        f"least loss before recovery ({chosen.loss:.4f}) among the options timed at or below "
+        f"{cfg.layers.latency:.2f}x of the unpruned latency: {chosen.name} at {chosen.ratio:.3f}x"
+    )
+
+
+def _priced(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    teacher: Any,
+    stack: StackInfo,
+    table: dict[str, Any],
+    example: dict[str, Any],
+    state: RoundState,
+) -> tuple[list[Option], Option]:
+    """The options priced by timing (once: a resumed run keeps the first run's choice)."""
+    from ...export import ExportConfig
+
+    layers = cfg.layers
+    assert layers is not None and layers.latency is not None
+    saved = state.data.get("depth_options")
+    if saved is not None:
+        options = [Option(**o) for o in saved]
+        return options, choose(options, layers.latency)
+    spec = ShapeSpec(tuple(cfg.exclude), cfg.keep_first_last, cfg.round_to, cfg.max_ratio, cfg.by)
+    options = price_options(
+        teacher=teacher,
+        stack=stack,
+        table=table,
+        widths=layers.widths,
+        keep_first_last=layers.keep_first_last,
+        spec=spec,
+        evaluator=Evaluator(teacher, ctx.task, layers.sensitivity_samples, example),
+        fidelity_weight=layers.fidelity_weight,
+        example=example,
+        sample=ctx.task.sample_inputs(1),
+        workdir=state.root / "options",
+        opset=ctx.recipe.step_config(ExportConfig).opset,
+        int8=layers.price_int8,
+        threads=ctx.threads,
+        rounds=layers.price_rounds,
+    )
+    shutil.rmtree(state.root / "options", ignore_errors=True)
+    state.save(depth_options=[o.to_dict() for o in options])
+    return options, choose(options, layers.latency)
+
+
+def _recover_depth(
+    cfg: PruneConfig,
+    ctx: StepContext,
+    student: Any,
+    teacher: Any,
+    data: Any,
+    state: RoundState,
+    hooks: LayerMapHooks,
+    last: bool,
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    update: dict[str, Any] = {"progress": cfg.progress and cfg.finetune.progress}
+    if last and cfg.final_steps is not None:  # the depth recovery is what ships
+        update["steps"] = cfg.final_steps
+    ft = distill(
+        student,
+        teacher,
+        data,
+        cfg.finetune.model_copy(update=update),
+        output_kind=ctx.task.output_kind,
+        task=ctx.task,
+        desc="prune layers",
+        checkpoint=_RecoveryCheckpoint(state.root / DEPTH_PARTIAL),
+        hooks=hooks,
+    )
+    quality = ctx.evaluate(Candidate("prune-layers", "prune", None, module=student.eval()))
+    record = {
+        "metric": quality.metric,
+        "cosine_mean": quality.cosine_mean,
+        "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
+        "layer_map": hooks.pairs(),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    _save_torch(state.root / DEPTH_WEIGHTS, student.state_dict())
+    state.save(depth_record=record)
+    (state.root / DEPTH_PARTIAL).unlink(missing_ok=True)
+    return record
