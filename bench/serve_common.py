@@ -36,12 +36,12 @@ OUT = BENCH / "out" / "serve"
 RESULTS = BENCH / "RESULTS-serve.md"
 PREFACE = """# Serving benchmarks
 
-Measured on the shared 2-core development machine while other engineers ran builds, training
-and tests (load average 7-17 during these runs, recorded where it matters): absolute latencies
-and throughputs are several times worse than on quiet cores. Every comparison is made side by
-side in one run (interleaved where possible) and reported as differences, ratios and medians.
-Each section names the command that reproduces it; raw numbers are in `bench/out/serve/*.json`.
-
+Every comparison is made side by side in one run (interleaved where possible) and reported as
+differences, ratios and medians. Each section is written by the script it names, from that
+run's own measurements, and ends with the machine it ran on: the CPU kind, and the cores other
+processes used in the second before the script wrote it (2 cores here; a busy machine inflates
+absolute latencies, while the side-by-side ratios hold better). Raw numbers are in
+`bench/out/serve/*.json`.
 """
 
 
@@ -153,7 +153,9 @@ def write_section(key: str, markdown: str) -> None:
     """Replace (or append) the ``key`` section of bench/RESULTS-serve.md, atomically."""
     start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
     text = RESULTS.read_text() if RESULTS.is_file() else PREFACE
-    block = f"{start}\n{markdown.strip()}\n{end}"
+    first = text.find("<!-- ")
+    text = PREFACE.rstrip() + "\n\n" + (text[first:] if first >= 0 else "")
+    block = f"{start}\n{markdown.strip()}\n\n{conditions()}\n{end}"
     if start in text:
         head, rest = text.split(start, 1)
         text = head + block + rest.split(end, 1)[1]
@@ -162,6 +164,19 @@ def write_section(key: str, markdown: str) -> None:
     atomic_write_text(RESULTS, text)
     OUT.mkdir(parents=True, exist_ok=True)
     atomic_write_text(OUT / f"{key}.md", markdown)
+
+
+def conditions() -> str:
+    """The machine a section was measured on, measured as the section is written."""
+    from slimline.cpu import detect
+    from slimline.measure.host import busy_cores
+
+    busy = busy_cores(1.0)
+    other = "not readable" if busy is None else f"{busy:.1f} cores"
+    return (
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {detect().describe()}, "
+        f"{os.cpu_count()} cores; other processes used {other} in the second before writing."
+    )
 
 
 def save_json(key: str, doc: dict[str, Any]) -> None:
