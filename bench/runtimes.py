@@ -114,14 +114,18 @@ def _pick_check(manifest: dict[str, Any]) -> Check:
     return run_check("auto pick within the band of the fastest in-budget pair", check)
 
 
-def run_model(model: str, rounds: int | None, work: Path, rerender: bool) -> dict[str, Any]:
+def run_model(
+    model: str, rounds: int | None, work: Path, rerender: bool, reuse: bool
+) -> dict[str, Any]:
     """Run the model's recipe into ``work/model`` (or, with ``rerender``, read the run a
-    previous invocation left there) and return its manifest and wall time."""
+    previous invocation left there) and return its manifest and wall time. With ``reuse`` the
+    steps, decisions and figures an earlier run left in the step cache are reused, so the wall
+    time is not the optimize command's and is not reported."""
     out = work / model
     if not rerender:
         t0 = time.perf_counter()
-        run_recipe(_recipe(model, rounds), out, remeasure=True)
-        wall = {"wall_s": round(time.perf_counter() - t0, 1)}
+        run_recipe(_recipe(model, rounds), out, remeasure=not reuse)
+        wall = {"wall_s": None if reuse else round(time.perf_counter() - t0, 1)}
         (out / "bench-wall.json").write_text(json.dumps(wall))
     manifest = json.loads((out / "manifest.json").read_text())
     wall_s = json.loads((out / "bench-wall.json").read_text())["wall_s"]
@@ -156,8 +160,10 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         lines += [
             f"## {r['model']}",
             "",
-            f"`slimline optimize` with `runtime: auto` took **{r['wall_s']:.0f} s** wall "
-            f"({m['recipe']['target']['threads']} threads, machine under load). Pick: "
+            f"`slimline optimize` with `runtime: auto` took **{figure(r['wall_s'], '.0f', ' s')}"
+            f"** wall ({m['recipe']['target']['threads']} threads, machine under load"
+            f"{'' if r['wall_s'] else '; this run reused the step cache of an earlier one'}). "
+            "Pick: "
             f"**{pick.get('candidate')} on {pick.get('runtime')}**.",
             "",
             "| pair | p50 ms | p50 band | x FP32 ORT | cosine | metric | peak RSS MB | size MB "
@@ -191,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/slimline-bench-runtimes"))
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
+        "--reuse", nargs="*", default=[], help="models whose earlier cached results to reuse"
+    )
+    p.add_argument(
         "--rerender", action="store_true", help="write the table from the runs left in --work"
     )
     args = p.parse_args(argv)
     before = busy_cores(1.0)
     results = []
     for model in args.models:
-        r = run_model(model, args.rounds, args.work, args.rerender)
+        r = run_model(model, args.rounds, args.work, args.rerender, model in args.reuse)
         r["check"] = _pick_check(r["manifest"])
         results.append(r)
     busy = {"before": before, "after": busy_cores(1.0)}
