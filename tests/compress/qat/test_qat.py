@@ -283,3 +283,28 @@ def test_quantize_falls_back_to_qat_when_ptq_is_not_good_enough(
     )
     why = why_qat(QuantizeConfig(fallback="qat", max_float_share=0.5), chosen, record)
     assert why == expected if expected is None else expected in (why or "")
+
+
+def test_quantize_fallback_runs_qat_and_keeps_both_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget PTQ cannot meet: quantize runs QAT; the one not returned is an alternative."""
+    import slimline.compress.qat.fallback as fallback
+    import slimline.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
+    short = QatConfig(finetune=FinetuneConfig(steps=2, eval_every=2, progress=False))
+    monkeypatch.setattr(fallback, "QatConfig", lambda: short)
+    task = load_task(str(DIGITS))
+    rec = recipe_from_dict(
+        {"name": "t", "task": task.source, "target": {"threads": 1},
+         "budget": {"max_metric_drop": 0.0, "min_cosine": 0.999999}}
+    )  # fmt: skip
+    ctx = api.context_for(task, rec, tmp_path / "w", timed=False, cache=tmp_path / "c")
+    cfg = QuantizeConfig(mode="static", fallback="qat", mixed_precision=False, samples=64)
+    out = api.run_step(ctx, cfg, ctx.baseline)
+    assert "missed the budget" in out.meta["qat_fallback"]
+    assert out.step == "quantize"  # QAT missed this budget too: PTQ stays, QAT is recorded
+    qat = [a for a in ctx.alternatives if a.step == "qat"]
+    assert len(qat) == 1 and qat[0].reason.startswith("QAT fallback:")
+    assert qat[0].meta["fallback_from"]["ptq"] == "quantize"
