@@ -24,7 +24,7 @@ def _cells(label: str, row: dict[str, Any]) -> list[Any]:
     return [
         html.escape(label),
         fmt(row.get("metric")),
-        fmt(row.get("cosine_mean")),
+        fmt(row.get("cosine_mean"), 5),
         fmt(lat.get("p50")),
         f"{size / 1e6:.2f} MB" if size else "n/a",
         f"{row.get('int8_share', 0.0):.0%} ({html.escape(str(row.get('kernels', '')))})",
@@ -44,6 +44,17 @@ def _verdicts(v: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _export_text(meta: dict[str, Any]) -> str:
+    c = meta.get("export_check") or {}
+    if not c:
+        return ""
+    return (
+        f"QDQ export ({c.get('exporter')}): ONNX Runtime vs the fake-quant model on "
+        f"{c.get('rows')} rows, mean cosine {c.get('cosine_mean', 0.0):.5f} (min "
+        f"{c.get('cosine_min', 0.0):.5f}); {c.get('int8_weights', 0)} weights stored INT8."
+    )
+
+
 @section(310, "Quantization-aware training")
 def qat_comparison(m: dict[str, Any], run_dir: Path) -> str | None:
     out = ""
@@ -57,8 +68,7 @@ def qat_comparison(m: dict[str, Any], run_dir: Path) -> str | None:
             f"<p><b>{html.escape(c['name'])}</b>: "
             f"{'kept' if c.get('accepted') else 'rejected'}: {html.escape(str(c.get('reason')))}. "
             f"BatchNorm {html.escape(str(fz.get('batchnorm')))}; ranges "
-            f"{html.escape(str(fz.get('observers')))}. Export check: "
-            f"{html.escape(str(meta.get('export_check')))}.</p>"
+            f"{html.escape(str(fz.get('observers')))}. {html.escape(_export_text(meta))}</p>"
         )
         out += table(["model", "metric", "cosine", "p50 ms", "size", "ops in INT8"], rows)
         out += f"<p>{html.escape(_verdicts(comp.get('verdicts', {})))}</p>"

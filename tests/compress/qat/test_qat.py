@@ -12,6 +12,7 @@ from torch import nn
 
 from slimline import api
 from slimline.compress.finetune import FinetuneConfig, distill
+from slimline.compress.pruning.step import PruneConfig
 from slimline.compress.qat import fakequant as fq
 from slimline.compress.qat.step import QatConfig, QatHooks, _check_data, _Checkpoint, _export
 from slimline.compress.quant.config import QuantizeConfig
@@ -198,6 +199,7 @@ def test_an_export_failure_names_the_module_and_the_op(tmp_path: Path) -> None:
 def test_recipe_order_qat_needs_a_torch_model() -> None:
     torch_task = start_forms(onnx_task=False)
     assert check_order([ExportConfig(), QatConfig()], torch_task) is None
+    assert check_order([ExportConfig(), PruneConfig(), QatConfig()], torch_task) is None
     assert check_order([QatConfig(), QuantizeConfig()], torch_task) is not None  # int8 then float
     bad = check_order([QuantizeConfig(), QatConfig()], torch_task)
     assert bad is not None and "put qat before quantize" in bad
@@ -242,6 +244,11 @@ def test_qat_step_on_a_real_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     out = api.run_step(ctx, cfg, ctx.baseline)
     assert out.onnx is not None and out.onnx.is_file()
     assert out.meta["export_check"]["cosine_mean"] >= 0.999
+    assert out.meta["export_check"]["int8_weights"] == 7  # six convolutions and the head
+    import onnx
+
+    weights = [i for i in onnx.load(str(out.onnx)).graph.initializer if len(i.dims) >= 2]
+    assert weights and all(w.data_type == onnx.TensorProto.INT8 for w in weights)
     assert out.meta["kernels"]["int8_share"] == 1.0
     assert out.meta["freezing"]["batchnorm_frozen_at"] == 2
     rows = out.meta["comparison"]["rows"]
@@ -276,3 +283,28 @@ def test_quantize_falls_back_to_qat_when_ptq_is_not_good_enough(
     )
     why = why_qat(QuantizeConfig(fallback="qat", max_float_share=0.5), chosen, record)
     assert why == expected if expected is None else expected in (why or "")
+
+
+def test_quantize_fallback_runs_qat_and_keeps_both_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget PTQ cannot meet: quantize runs QAT; the one not returned is an alternative."""
+    import slimline.compress.qat.fallback as fallback
+    import slimline.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
+    short = QatConfig(finetune=FinetuneConfig(steps=2, eval_every=2, progress=False))
+    monkeypatch.setattr(fallback, "QatConfig", lambda: short)
+    task = load_task(str(DIGITS))
+    rec = recipe_from_dict(
+        {"name": "t", "task": task.source, "target": {"threads": 1},
+         "budget": {"max_metric_drop": 0.0, "min_cosine": 0.999999}}
+    )  # fmt: skip
+    ctx = api.context_for(task, rec, tmp_path / "w", timed=False, cache=tmp_path / "c")
+    cfg = QuantizeConfig(mode="static", fallback="qat", mixed_precision=False, samples=64)
+    out = api.run_step(ctx, cfg, ctx.baseline)
+    assert "missed the budget" in out.meta["qat_fallback"]
+    assert out.step == "quantize"  # QAT missed this budget too: PTQ stays, QAT is recorded
+    qat = [a for a in ctx.alternatives if a.step == "qat"]
+    assert len(qat) == 1 and qat[0].reason.startswith("QAT fallback:")
+    assert qat[0].meta["fallback_from"]["ptq"] == "quantize"

@@ -36,6 +36,7 @@ from ..finetune import DistillHooks, FinetuneConfig, distill, resolve_data, to_t
 from ..quant.fallback import kernel_report
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
+from .qdq import fold_constant_quantizers
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -57,10 +58,13 @@ class QatConfig(StepConfig):
         description="distillation settings; lr_scale 0.05: 0.05x the task's LEARNING_RATE",
     )
     freeze_bn_after: int | None = Field(
-        100, ge=0, description="steps after which BatchNorm statistics freeze (null: never)"
+        0,
+        ge=0,
+        description="steps after which BatchNorm statistics freeze (0: from the start, the "
+        "trained model's statistics as deployed; null: never)",
     )
     freeze_observers_after: int | None = Field(
-        120, ge=0, description="steps after which the activation ranges freeze (null: never)"
+        100, ge=0, description="steps after which the ranges freeze (null: never)"
     )
     calibration_samples: int = Field(512, ge=1, le=100_000, description="rows for the ranges")
     check_samples: int = Field(64, ge=1, le=10_000, description="rows for the export check")
@@ -268,6 +272,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     path = ctx.workdir / "qat.onnx"
     try:
         export_module(model, sample, path, cfg.opset)
+        folded = fold_constant_quantizers(path)
     except ExportError as err:
         where = _node_of_op(model, error_text(err)) or _failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
@@ -276,7 +281,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"QDQ export of the fake-quant model failed at {where} (whole model: "
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
-    return path, _verify(model, path, sample, cfg, ctx.threads)
+    return path, {**_verify(model, path, sample, cfg, ctx.threads), "int8_weights": folded}
 
 
 def _verify(
