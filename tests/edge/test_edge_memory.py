@@ -217,3 +217,26 @@ def test_a_run_with_a_budget_records_the_chosen_setting_and_a_tight_one_fails(
         run_recipe(recipe_from_dict(tiny_recipe), tmp_path / "tight", cache=cache)
     failed = load_manifest(tmp_path / "tight")
     assert failed["status"] == "failed" and failed["memory_profile"]["chosen"] is None
+
+
+def test_serve_with_a_budget_no_setting_fits_is_one_line_naming_the_smallest_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slimline.serve.cli import main as serve_main
+
+    model = matmul_model(tmp_path / "m.onnx")
+    argv = [
+        str(model),
+        "--memory-mb",
+        "1",
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--port",
+        "0",
+    ]
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: memory budget 1 MB is below every measured setting")
+    assert "smallest peak RSS is" in err and "1 thread" in err
