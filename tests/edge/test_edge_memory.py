@@ -103,15 +103,18 @@ def test_a_setting_whose_measurement_failed_is_never_chosen() -> None:
 def test_the_grid_covers_arena_patterns_mode_threads_and_shrinkage_for_varying_shapes() -> None:
     fixed, varying = settings_grid(4, False), settings_grid(4, True)
     assert fixed[0] == MemorySetting(threads=4)  # ONNX Runtime's defaults first
-    assert len(fixed) == 16 and len(set(map(str, fixed))) == 16
-    assert {s.threads for s in fixed} == {1, 4}
+    assert len(fixed) == 32 and len(set(map(str, fixed))) == 32
+    assert {s.threads for s in fixed} == {1, 4} and {s.graph_level for s in fixed} == {
+        "all",
+        "basic",
+    }
     assert {(s.arena, s.mem_pattern, s.execution_mode) for s in fixed} == {
         (a, p, m) for a in (True, False) for p in (True, False) for m in ("sequential", "parallel")
     }
     assert not any(s.arena_shrinkage for s in fixed)
     shrink = [s for s in varying if s.arena_shrinkage]
-    assert len(shrink) == 8 and all(s.arena for s in shrink)
-    assert len(settings_grid(1, False)) == 8
+    assert len(shrink) == 16 and all(s.arena for s in shrink)
+    assert len(settings_grid(1, False)) == 16
 
 
 def test_shrinkage_is_a_run_option_only_with_the_arena_on() -> None:
@@ -209,7 +212,7 @@ def test_a_run_with_a_budget_records_the_chosen_setting_and_a_tight_one_fails(
     run = run_recipe(recipe_from_dict(tiny_recipe), tmp_path / "ok", cache=cache)
     profile = load_manifest(run.out)["memory_profile"]
     assert profile["candidate"] == load_manifest(run.out)["selected"]
-    assert profile["batch_sizes"] == [1, 4] and len(profile["rows"]) == 8  # one thread
+    assert profile["batch_sizes"] == [1, 4] and len(profile["rows"]) == 16  # one thread
     assert profile["chosen"] == choose(profile["rows"], 100_000)
     assert "Memory profile" in (run.out / "report.html").read_text()
     tiny_recipe["target"]["memory_mb"] = 1
@@ -217,3 +220,26 @@ def test_a_run_with_a_budget_records_the_chosen_setting_and_a_tight_one_fails(
         run_recipe(recipe_from_dict(tiny_recipe), tmp_path / "tight", cache=cache)
     failed = load_manifest(tmp_path / "tight")
     assert failed["status"] == "failed" and failed["memory_profile"]["chosen"] is None
+
+
+def test_serve_with_a_budget_no_setting_fits_is_one_line_naming_the_smallest_peak(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slimline.serve.cli import main as serve_main
+
+    model = matmul_model(tmp_path / "m.onnx")
+    argv = [
+        str(model),
+        "--memory-mb",
+        "1",
+        "--threads",
+        "1",
+        "--max-batch-size",
+        "1",
+        "--port",
+        "0",
+    ]
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: memory budget 1 MB is below every measured setting")
+    assert "smallest peak RSS is" in err and "1 thread" in err

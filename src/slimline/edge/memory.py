@@ -52,11 +52,15 @@ class MemoryBudgetError(SlimlineError):
 def settings_grid(threads: int, varying_shapes: bool) -> list[MemorySetting]:
     """Every combination of the options that decide memory; ONNX Runtime's defaults first.
 
-    Thread counts are ``threads`` and 1; arena shrinkage is tried (with the arena on) only when
-    input shapes vary, the case it exists for."""
+    Thread counts are ``threads`` and 1; graph optimization ``all`` (ONNX Runtime's default,
+    with layout transformations) and ``basic``; arena shrinkage is tried (with the arena on)
+    only when input shapes vary, the case it exists for."""
     counts = sorted({threads, 1}, reverse=True)
     grid = [
-        MemorySetting(arena=arena, mem_pattern=pattern, execution_mode=mode, threads=n)
+        MemorySetting(
+            arena=arena, mem_pattern=pattern, execution_mode=mode, threads=n, graph_level=level
+        )
+        for level in ("all", "basic")
         for n in counts
         for arena in (True, False)
         for pattern in (True, False)
@@ -307,7 +311,6 @@ def _worker(argv: list[str]) -> Row:
 
     base = _status_mb("VmRSS")
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as `serve` runs it
     setting.apply(so)

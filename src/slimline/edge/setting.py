@@ -1,6 +1,7 @@
 """One ONNX Runtime setting that decides a session's memory: the CPU arena, memory patterns, the
-execution mode, the intra-op thread count and, for inputs whose shapes vary, arena shrinkage
-after each run. A leaf module: the server and the memory profile both build sessions from it."""
+execution mode, the intra-op thread count, the graph optimization level (``all`` adds layout
+transformations that keep reordered copies of the weights) and, for inputs whose shapes vary,
+arena shrinkage after each run. A leaf module: the server and the memory profile both build sessions from it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class MemorySetting(Config):
     execution_mode: Literal["sequential", "parallel"] = "sequential"
     threads: int = Field(1, ge=1, le=256)
     arena_shrinkage: bool = False
+    graph_level: Literal["all", "basic"] = "all"
 
     @property
     def label(self) -> str:
@@ -36,12 +38,18 @@ class MemorySetting(Config):
         ]
         if self.arena_shrinkage:
             parts.append("shrink arena")
+        if self.graph_level != "all":
+            parts.append(f"{self.graph_level} graph optimization")
         return ", ".join(parts)
 
     def apply(self, so: Any) -> None:
         """Set these options on an ``onnxruntime.SessionOptions``."""
         import onnxruntime as ort
 
+        so.graph_optimization_level = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        }[self.graph_level]
         so.enable_cpu_mem_arena = self.arena
         so.enable_mem_pattern = self.mem_pattern
         so.intra_op_num_threads = self.threads
