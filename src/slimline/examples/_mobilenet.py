@@ -20,8 +20,9 @@ def _conv_bn(
 
 
 class InvertedResidual(nn.Module):
-    """1x1 expansion (BN, ReLU), 3x3 depthwise (BN, ReLU), 1x1 linear projection (BN, no
-    activation), plus the input where the shape is kept. Plain ReLU, not ReLU6: the activations
+    """1x1 expansion (BN, ReLU), 3x3 depthwise (BN unless ``dw_bn`` is false, ReLU), 1x1 linear
+    projection (BN unless ``dw_bn`` is false, no activation), plus the input where the shape is
+    kept. Plain ReLU, not ReLU6: the activations
     after the depthwise layers are unbounded, as in many MobileNet-style models trained without
     quantization in mind."""
 

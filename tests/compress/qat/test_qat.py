@@ -218,7 +218,9 @@ def test_qat_and_fallback_configs_round_trip() -> None:
         {"name": "t", "task": "mnist-dw", "steps": [{"qat": {"freeze_bn_after": 5}}]}
     ).step_config(QatConfig)
     assert qat.freeze_bn_after == 5
-    assert qat.finetune.lr_scale == 0.05  # QAT's default: 0.05x the training learning rate
+    partial = QatConfig.model_validate({"finetune": {"steps": 10}}).finetune
+    assert (partial.steps, partial.lr_scale, partial.eval_every) == (10, 0.01, 25)
+    assert qat.finetune.lr_scale == 0.01  # QAT's default: 0.01x the training learning rate
     with pytest.raises(ValueError, match="fallback"):
         QuantizeConfig(fallback="retrain")  # type: ignore[arg-type]
 
