@@ -44,8 +44,14 @@ ROWS = [
 ]
 
 
+# the depthwise CNN has no built-in recipe: the mnist recipe's steps and budget, on its task file
+TASK_FILES = {"depthwise": Path(__file__).parent / "depthwise_task.py"}
+
+
 def _recipe(model: str, rounds: int | None) -> Any:
-    raw = load_recipe(builtin_recipes()[model]).to_dict()
+    raw = load_recipe(builtin_recipes()[model if model not in TASK_FILES else "mnist"]).to_dict()
+    if model in TASK_FILES:
+        raw["task"] = str(TASK_FILES[model].resolve())
     raw["name"] = f"{model}-runtimes"
     raw["target"]["runtime"] = "auto"
     for st in raw["steps"]:
@@ -82,7 +88,7 @@ def _row(label: str, f: dict[str, Any] | None, base: dict[str, Any], cand: str, 
     if f is None:
         return f"| {label} | {figure(None)} | | | | | | | |"
     if "failed" in f:
-        return f"| {label} | failed: {f['failed'][:120]} | | | | | | | |"
+        return f"| {label} | {_failure(f['failed'])} | | | | | | | |"
     lat = f["latency_ms"]
     size = f.get("size_bytes")
     return (
@@ -91,6 +97,25 @@ def _row(label: str, f: dict[str, Any] | None, base: dict[str, Any], cand: str, 
         f"{f['metric']['value']:.4f} | {figure(f.get('peak_rss_mb'), '.1f')} | "
         f"{figure(size / 1e6 if size else None, '.2f')} | {_verdict(f, cand, rt)} |"
     )
+
+
+def _failure(message: str) -> str:
+    """The runtime's refusal, shortened to the op it names where it names one."""
+    _, _, detail = message.partition("detailed log: -- ")
+    text = detail or message
+    return "cannot load: " + text[:160].replace("|", "/") + ("..." if len(text) > 160 else "")
+
+
+def _footer_argv(argv: list[str]) -> list[str]:
+    """The command that measures again: without --rerender and --reuse (and their models)."""
+    out: list[str] = []
+    skipping = False
+    for a in argv:
+        if a.startswith("--"):
+            skipping = a in ("--reuse", "--rerender")
+        if not skipping:
+            out.append(a)
+    return out
 
 
 def _pick_check(manifest: dict[str, Any]) -> Check:
@@ -138,10 +163,9 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         "# Runtimes: ONNX Runtime vs OpenVINO, and the `runtime: auto` pick",
         "",
         f"CPU kind **{cpu.kind}** (features: {', '.join(sorted(cpu.features))}), "
-        f"{os.cpu_count()} cores. Other processes used {figure(busy['before'], '.1f')} cores "
-        f"before and {figure(busy['after'], '.1f')} after (a 1 s sample): the machine was "
-        "shared with other jobs, so absolute milliseconds are inflated; the ratios come from "
-        "one interleaved benchmark per model and are the figures to quote.",
+        f"{os.cpu_count()} cores, shared with other jobs (each model's load during its final "
+        "benchmark is below): absolute milliseconds are inflated and the bands wide; the ratios "
+        "come from one interleaved benchmark per model and are the figures to quote.",
         "",
         "Each model: its built-in recipe with `target.runtime: auto` and `quantize: {nncf: "
         "true}`. Every (runtime, candidate) pair is timed in the same interleaved rounds at "
@@ -157,8 +181,13 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         m = r["manifest"]
         base = _figures(m, *BASE)
         pick = m.get("runtime_pick") or {}
+        cond = m.get("measurement_conditions") or {}
         lines += [
             f"## {r['model']}",
+            "",
+            f"Final benchmark: other processes used {figure(cond.get('other_cores_before'), '.1f')}"
+            f" cores before and {figure(cond.get('other_cores_after'), '.1f')} after, load "
+            f"average {figure(cond.get('load_before'), '.1f')} on {cond.get('cores', '?')} cores.",
             "",
             f"`slimline optimize` with `runtime: auto` took **{figure(r['wall_s'], '.0f', ' s')}"
             f"** wall ({m['recipe']['target']['threads']} threads, machine under load"
@@ -186,7 +215,7 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
             )
         )
         lines += ["", claim(r["check"], "The auto pick is the fastest in-budget pair"), ""]
-    lines += reproduce_footer(reproduce_command("runtimes.py", argv))
+    lines += reproduce_footer(reproduce_command("runtimes.py", _footer_argv(argv)))
     return "\n".join(lines)
 
 

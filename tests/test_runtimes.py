@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -113,3 +114,47 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
     (overridden,) = load_served_models([run.out], threads=1, runtime=other)
     assert overridden.meta["runtime"] == other
     assert overridden.backend.platform.startswith(other)
+
+
+def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    raw = {
+        **tiny_recipe,
+        "steps": ["export", {"quantize": {"mode": "static", "samples": 16, "nncf": True}}],
+    }
+    run = run_recipe(recipe_from_dict(raw), tmp_path / "run", cache=cache)
+    m = json.loads((run.out / "manifest.json").read_text())
+    entries = {c["name"]: c for c in m["candidates"]}
+    nncf, qdq = entries["quantize-nncf"], entries["quantize"]
+    assert nncf["step"] == "nncf" and nncf["meta"]["nncf"]["quantize_linear"] > 0
+    assert nncf["reason"] and qdq["reason"]  # both judged against fp32-onnx, on ONNX Runtime
+    in_chain = [c["name"] for c in m["candidates"] if not c.get("alternative")]
+    if "quantize-nncf" in in_chain:  # kept and faster than the QDQ pick: it took its place
+        assert (
+            nncf["accepted"] and qdq["alternative"] and qdq["meta"]["replaced_by"] == nncf["name"]
+        )
+    else:
+        assert nncf.get("alternative") and "quantize" in in_chain
+    assert m["selected_runtime"] == "onnxruntime" and set(m["runtimes"]) == {"onnxruntime"}
+
+
+def test_the_nncf_step_alone_writes_an_int8_model_both_runtimes_load(
+    tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
+    pytest.importorskip("nncf", reason="the openvino extra is not installed")
+    raw = {**tiny_recipe, "target": {"threads": 1, "runtime": "openvino"}}
+    raw["steps"] = ["export", {"nncf": {"samples": 16}}]
+    run = run_recipe(recipe_from_dict(raw), tmp_path / "run", cache=cache)
+    m = json.loads((run.out / "manifest.json").read_text())
+    step = next(c for c in m["candidates"] if c["step"] == "nncf")
+    assert step["meta"]["nncf"]["calibration_items"] >= 1 and step["runtime"] == "openvino"
+    assert step["accepted"] == step["reason"].startswith("faster")  # judged on OpenVINO
+
+    from slimline.measure.ov import OvRunner
+    from slimline.measure.runners import OrtRunner
+
+    path = run.out / step["artifact"]
+    x = {"x": np.zeros((2, 1, 12, 12), np.float32)}
+    assert OvRunner("n", path, 1).run(x).shape == OrtRunner("n", path, 1).run(x).shape == (2, 4)

@@ -494,7 +494,7 @@ def _decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tu
         cached = {"accepted": accepted, "reason": reason, "runtimes": verdicts}
         run.cache.put_json("decision", key, cached)
     if len(run.runtimes) > 1:
-        cand.meta = {**cand.meta, "runtime_verdicts": cached["runtimes"]}
+        cand.meta = {**cand.meta, "runtime_verdicts": cached.get("runtimes", {})}
     return bool(cached["accepted"]), str(cached["reason"])
 
 
