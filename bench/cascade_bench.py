@@ -81,7 +81,8 @@ def accuracy(task: Any, edge: Path, cloud: Path, work: Path) -> tuple[Check, dic
     doc = {"held_out": held, "calibration_pick": chosen, "in_sample_pick": in_sample,
            "edge_metric": full[0]["metric"], "cloud_metric": full[-1]["metric"],
            "threshold": t, "score": "softmax", "chosen": chosen, "curve": full,
-           "metric_name": task.metric_name, "rows": len(labels)}  # fmt: skip
+           "metric_name": task.metric_name, "rows": len(labels),
+           "scores": scores.tolist()}  # fmt: skip
     write_calibration(doc, work / "cascade.json")
 
     def judge() -> tuple[bool, str]:
@@ -94,6 +95,24 @@ def accuracy(task: Any, edge: Path, cloud: Path, work: Path) -> tuple[Check, dic
         )
 
     return run_check("accuracy within 0.1 pt at <= 20% escalation", judge), doc
+
+
+def _payloads(task: Any, acc: dict[str, Any], work: Path) -> tuple[str, str]:
+    """Request digits from the held-out (odd) rows: a mix of 64 at the 20% escalation budget
+    (13 the edge is unsure of, 51 it is sure of, seeded), and 64 it is unsure of."""
+    x = np.concatenate([inputs["x"] for inputs, _ in task.eval_data()])
+    odd = np.arange(len(x)) % 2 == 1
+    scores, t = np.asarray(acc["scores"]), acc["threshold"]
+    rng = np.random.default_rng(0)
+    unsure = np.flatnonzero(odd & (scores < t))
+    sure = np.flatnonzero(odd & (scores >= t))
+    n_unsure = min(13, len(unsure))
+    mix = np.concatenate([rng.choice(unsure, n_unsure, replace=False),
+                          rng.choice(sure, 64 - n_unsure, replace=False)])  # fmt: skip
+    rng.shuffle(mix)
+    np.savez(work / "mix.npz", x=x[mix])
+    np.savez(work / "unsure.npz", x=x[np.resize(unsure, 64)])
+    return str(work / "mix.npz"), str(work / "unsure.npz")
 
 
 def _load(url: str, model: str, inputs: str, rate: float, duration: float) -> dict[str, Any]:
@@ -114,7 +133,14 @@ def _cascade_server_args(cloud_url: str, cal: Path) -> list[str]:
 
 
 def serving(
-    run: Path, edge: Path, cloud: Path, inputs: str, cal: Path, rate: float, duration: float
+    run: Path,
+    edge: Path,
+    cloud: Path,
+    inputs: str,
+    unsure: str,
+    cal: Path,
+    rate: float,
+    duration: float,
 ) -> tuple[list[Check], dict[str, Any]]:
     doc: dict[str, Any] = {"rate": rate, "duration_s": duration, "rounds": []}
     cloud_args = ["--threads", "1", "--max-batch-size", "8", "--max-queue-size", "16",
@@ -131,7 +157,7 @@ def serving(
                 after = read_metrics(url, "mnist") or {}
                 doc["rounds"].append({"cloud": _brief(a), "cascade": _brief(b),
                                       "cascade_server": cascade_figures(before, after)})  # fmt: skip
-            doc["overload"] = _overload(url, cloud_url, cloud_model, inputs, rate, duration)
+            doc["overload"] = _overload(url, cloud_url, cloud_model, unsure, rate, duration)
     return [_latency_check(doc), _overload_check(doc["overload"])], doc
 
 
@@ -208,9 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         acc, acc_doc = accuracy(task, edge, cloud, work)
-        x = next(iter(task.eval_data()))[0]
-        np.savez(work / "digits.npz", **x)  # type: ignore[arg-type]
-        serve_checks, serve_doc = serving(args.run, edge, cloud, str(work / "digits.npz"),
+        mix, unsure = _payloads(task, acc_doc, work)
+        serve_checks, serve_doc = serving(args.run, edge, cloud, mix, unsure,
                                           work / "cascade.json", args.rate, args.duration)  # fmt: skip
         if args.out is not None:
             atomic_write_bytes(args.out.with_suffix(".png"), (work / "cascade.png").read_bytes())

@@ -48,7 +48,7 @@ def test_the_pick_for_a_rate_or_a_loss() -> None:
     lossless = pick(points, 1.0, max_loss=0.0)
     assert lossless["escalation"] == pytest.approx(0.3) and lossless["metric"] == 1.0
     assert pick(points, 1.0, target_escalation=0.2)["metric"] == pytest.approx(0.9)
-    assert pick(points, 1.0, target_escalation=0.5)["escalation"] == pytest.approx(0.3)
+    assert pick(points, 1.0, target_escalation=0.5)["escalation"] == pytest.approx(0.4)  # spent
     assert pick(points, 1.0, max_loss=0.1)["escalation"] == pytest.approx(0.2)
     with pytest.raises(CalibrationError, match=r"best at that rate is 0\.9000") as info:
         pick(points, 1.0, target_escalation=0.2, max_loss=0.0)

@@ -4,8 +4,8 @@ Both models run on the evaluation data once. For every threshold (each distinct 
 score, thinned to at most ``points``) the rows scored below it take the cloud's output, and the
 task's own metric is computed on the mixed outputs: the curve of metric against escalation rate.
 :func:`pick` chooses the threshold for a target escalation rate (the best metric at or under
-it) or for a maximum metric loss against the cloud model alone (the least escalation within
-it). ``slimline serve --cascade-threshold cascade.json`` reads the chosen threshold and score.
+it, spending the budget among equals) or for a maximum metric loss against the cloud model
+alone (the least escalation within it). ``slimline serve --cascade-threshold cascade.json`` reads the chosen threshold and score.
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ def pick(
     target_escalation: float | None = None,
     max_loss: float | None = None,
 ) -> Point:
-    """The threshold: with ``target_escalation``, the best metric at or under that rate; with
-    ``max_loss``, the least escalation whose metric is within it of the cloud's; with both,
-    the least escalation meeting both."""
+    """The threshold: with ``target_escalation``, the best metric at or under that rate (among
+    equal metrics the most escalation: the budget given is spent where it keeps the metric on
+    unseen data); with ``max_loss``, the least escalation whose metric is within it of the
+    cloud's; with both, the least escalation meeting both."""
     if target_escalation is None and max_loss is None:
         raise ValueError("give target_escalation, max_loss or both")
     ok = [
@@ -87,7 +88,7 @@ def pick(
     if not ok:
         raise CalibrationError(_no_point(points, cloud_metric, target_escalation, max_loss))
     if max_loss is None:
-        return max(ok, key=lambda p: (p["metric"], -p["escalation"]))
+        return max(ok, key=lambda p: (p["metric"], p["escalation"]))
     return min(ok, key=lambda p: (p["escalation"], -p["metric"]))
 
 
