@@ -22,7 +22,7 @@ from slimline.edge.memory import (
     workload,
 )
 from slimline.edge.serving import serving_memory
-from slimline.edge.setting import MemorySetting
+from slimline.edge.setting import MemorySetting, session_path
 from slimline.recipe import recipe_from_dict
 from slimline.report.memory import memory_profile as memory_section
 from slimline.serve.model import OrtBackend, load_served_models
@@ -36,6 +36,23 @@ def matmul_model(path: Path, width: int = 32) -> Path:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])],
         initializer=[numpy_helper.from_array(w, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def table_model(path: Path, rows: int, width: int) -> Path:
+    """ids INT64 [N] -> Gather of a [rows, width] FP32 table: an embedding, as text models have
+    (its weights are read as they are: ONNX Runtime prepacks no copy of a Gather's table)."""
+    table = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        "table",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])],
+        initializer=[numpy_helper.from_array(table, "table")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -103,18 +120,22 @@ def test_a_setting_whose_measurement_failed_is_never_chosen() -> None:
 def test_the_grid_covers_arena_patterns_mode_threads_and_shrinkage_for_varying_shapes() -> None:
     fixed, varying = settings_grid(4, False), settings_grid(4, True)
     assert fixed[0] == MemorySetting(threads=4)  # ONNX Runtime's defaults first
-    assert len(fixed) == 32 and len(set(map(str, fixed))) == 32
+    assert len(fixed) == 40 and len(set(map(str, fixed))) == 40
     assert {s.threads for s in fixed} == {1, 4} and {s.graph_level for s in fixed} == {
         "all",
         "basic",
     }
+    mapped = [s for s in fixed if s.mmap_weights]
+    assert len(mapped) == 8 and all(
+        s.mem_pattern and s.execution_mode == "sequential" for s in mapped
+    )
     assert {(s.arena, s.mem_pattern, s.execution_mode) for s in fixed} == {
         (a, p, m) for a in (True, False) for p in (True, False) for m in ("sequential", "parallel")
     }
     assert not any(s.arena_shrinkage for s in fixed)
     shrink = [s for s in varying if s.arena_shrinkage]
-    assert len(shrink) == 16 and all(s.arena for s in shrink)
-    assert len(settings_grid(1, False)) == 16
+    assert len(shrink) == 20 and all(s.arena for s in shrink)
+    assert len(settings_grid(1, False)) == 20
 
 
 def test_shrinkage_is_a_run_option_only_with_the_arena_on() -> None:
@@ -148,6 +169,32 @@ def test_each_setting_is_measured_in_a_fresh_process(tmp_path: Path) -> None:
         assert 0 < r["p50_ms"] <= r["p99_ms"]
     broken = measure_settings(tmp_path / "missing.onnx", calls, settings[:1], runs=1)
     assert "error" in broken[0]
+
+
+def test_memory_mapped_weights_load_one_copy_and_answer_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLIMLINE_CACHE", str(tmp_path / "cache"))
+    rows, width = 16384, 256  # 16 MB of weights: far above the noise of an interpreter's RSS
+    model = table_model(tmp_path / "m.onnx", rows, width)
+    mapped = MemorySetting(threads=1, mmap_weights=True)
+    external = session_path(model, mapped)
+    assert external != model and (external.parent / "model.onnx.data").is_file()
+    assert external.stat().st_size < 100_000  # the graph only; the weights are beside it
+    assert session_path(model, mapped) == external  # written once per source file
+    assert session_path(model, MemorySetting(threads=1)) == model
+    calls = [{"ids": np.arange(8, dtype=np.int64)}]
+    embedded_row, mapped_row = measure_settings(
+        model, calls, [MemorySetting(threads=1), mapped], runs=1
+    )
+    weights_mb = rows * width * 4 / 2**20
+    # loading from the file holds the parsed file and the tensors built from it; mapping, one copy
+    assert embedded_row["model_rss_mb"] >= 1.5 * weights_mb, embedded_row
+    assert mapped_row["model_rss_mb"] <= embedded_row["model_rss_mb"] - 0.5 * weights_mb, mapped_row
+    ids = {"ids": np.random.default_rng(1).integers(0, rows, 64)}
+    plain = OrtBackend(model, 1).run(ids)
+    via_map = OrtBackend(model, 1, memory=mapped).run(ids)
+    np.testing.assert_array_equal(plain["y"], via_map["y"])
 
 
 def test_a_recipe_target_carries_the_budget_outside_the_cache_key() -> None:
@@ -212,7 +259,7 @@ def test_a_run_with_a_budget_records_the_chosen_setting_and_a_tight_one_fails(
     run = run_recipe(recipe_from_dict(tiny_recipe), tmp_path / "ok", cache=cache)
     profile = load_manifest(run.out)["memory_profile"]
     assert profile["candidate"] == load_manifest(run.out)["selected"]
-    assert profile["batch_sizes"] == [1, 4] and len(profile["rows"]) == 16  # one thread
+    assert profile["batch_sizes"] == [1, 4] and len(profile["rows"]) == 20  # one thread
     assert profile["chosen"] == choose(profile["rows"], 100_000)
     assert "Memory profile" in (run.out / "report.html").read_text()
     tiny_recipe["target"]["memory_mb"] = 1

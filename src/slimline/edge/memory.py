@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SlimlineError
-from .setting import MemorySetting
+from .setting import MemorySetting, session_path
 
 __all__ = [
     "MemoryBudgetError",
@@ -65,6 +65,12 @@ def settings_grid(threads: int, varying_shapes: bool) -> list[MemorySetting]:
         for arena in (True, False)
         for pattern in (True, False)
         for mode in ("sequential", "parallel")
+    ]
+    # memory-mapped weights, with the options that matter beside them (patterns on)
+    grid += [
+        s.model_copy(update={"mmap_weights": True})
+        for s in list(grid)
+        if s.mem_pattern and s.execution_mode == "sequential"
     ]
     if varying_shapes:
         grid += [s.model_copy(update={"arena_shrinkage": True}) for s in list(grid) if s.arena]
@@ -158,6 +164,10 @@ def _load_workload(path: str) -> list[Inputs]:
 def _measure_once(
     model: Path, npz: Path, setting: MemorySetting, runs: int, timed: int, timeout: float
 ) -> Row:
+    try:
+        model = session_path(model, setting)  # written here, so the child's peak excludes it
+    except Exception as err:  # a graph that cannot be saved with external data: that row only
+        return {"error": f"external weights: {str(err)[:300]}"}
     cmd = [
         sys.executable, "-m", "slimline.edge.memory", "--onnx", str(model), "--workload",
         str(npz), "--setting", json.dumps(setting.model_dump()), "--runs", str(runs),

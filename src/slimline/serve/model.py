@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..edge.setting import MemorySetting
+from ..edge.setting import MemorySetting, session_path
 from ..errors import ManifestError, ModelFileError, ServeError
 from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
@@ -124,6 +124,7 @@ def ort_serving_session(
     if memory is not None:
         memory.apply(so)
     try:
+        path = session_path(path, memory)
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT raises its own Fail/InvalidGraph/... types
         first = str(err).strip().splitlines()[0][:200]
