@@ -7,8 +7,8 @@ RUN_DIR is a `slimline optimize mnist-prune` run: its selected candidate (pruned
 edge model, its ``fp32-onnx`` artifact the cloud model. Three checks:
 
 1. accuracy: both models run once on the task's evaluation digits; the threshold is calibrated
-   (``slimline.edge.calibrate``: curve, then the best accuracy at <= 20% escalation) on the
-   even rows and the cascade is scored on the odd rows (held out), against the cloud on the same
+   (``slimline.edge.calibrate``: curve, then the best accuracy at <= ``--calibration-target``
+   escalation, 15% by default: a margin under the 20% limit) on the even rows and the cascade is scored on the odd rows (held out), against the cloud on the same
    rows: within 0.1 pt? The in-sample pick over all rows is reported too.
 2. latency: ``slimline serve`` of the cloud model alone, and of the cascade (edge in-process,
    the cloud server over KServe v2 HTTP), each load-tested open loop at the same rate, A B A B;
@@ -52,7 +52,9 @@ def _models(run: Path) -> tuple[Path, Path, str]:
     return edge, cloud, m["selected"]
 
 
-def accuracy(task: Any, edge: Path, cloud: Path, work: Path) -> tuple[Check, dict[str, Any]]:
+def accuracy(
+    task: Any, edge: Path, cloud: Path, work: Path, target: float
+) -> tuple[Check, dict[str, Any]]:
     out = {}
     for tier, path in (("edge", edge), ("cloud", cloud)):
         out[tier], labels, _ = collect_outputs(OrtRunner(tier, path, 2), task, None)
@@ -64,7 +66,7 @@ def accuracy(task: Any, edge: Path, cloud: Path, work: Path) -> tuple[Check, dic
         return curve(out["edge"][rows], out["cloud"][rows], labels[rows], scores[rows], task.metric)
 
     cal_points = points(cal)
-    chosen = pick(cal_points, cal_points[-1]["metric"], target_escalation=MAX_ESCALATION)
+    chosen = pick(cal_points, cal_points[-1]["metric"], target_escalation=target)
     t = chosen["threshold"]
     escalate = scores[test] < t
     mixed = np.where(escalate[:, None], out["cloud"][test], out["edge"][test])
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", type=Path, help="a `slimline optimize mnist-prune` run directory")
     ap.add_argument("--rate", type=float, default=40.0)
+    ap.add_argument("--calibration-target", type=float, default=0.15,
+                    help="escalation rate the threshold is calibrated for: below the 20%% limit, "
+                    "as a rate calibrated on half the digits varies on the other half")  # fmt: skip
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = ap.parse_args(argv)
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     task = load_task("mnist")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        acc, acc_doc = accuracy(task, edge, cloud, work)
+        acc, acc_doc = accuracy(task, edge, cloud, work, args.calibration_target)
         mix, unsure = _payloads(task, acc_doc, work)
         serve_checks, serve_doc = serving(args.run, edge, cloud, mix, unsure,
                                           work / "cascade.json", args.rate, args.duration)  # fmt: skip
@@ -254,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         f"escalation {acc_doc['in_sample_pick']['metric']:.4f} at "
         f"{acc_doc['in_sample_pick']['escalation']:.1%} (threshold "
         f"{acc_doc['in_sample_pick']['threshold']:.4f})",
-        f"- threshold calibrated on the even rows: {held['threshold']:.4f} (softmax top-1)",
+        f"- threshold calibrated on the even rows for {args.calibration_target:.0%} escalation "
+        f"(a margin under the 20% limit): {held['threshold']:.4f} (softmax top-1); at 20% "
+        "the held-out rate overshot to 20.8% in an earlier run",
         *(f"- {claim(c, c.name)}" for c in checks),
         "",
         "Curve (in-sample): `RESULTS-edge-cascade.png`.",
