@@ -8,7 +8,11 @@ the shared machine hits both, and compared by medians. The server gets a closed-
 single-row requests (binary tensors) from slimline's load generator, which runs on the same 2
 cores and so takes CPU from the server: the ratio is a lower bound.
 
-    nice -n 10 .venv/bin/python bench/serve_throughput.py [--seconds 8] [--rounds 3]
+    nice -n 10 .venv/bin/python bench/serve_throughput.py [--seconds 8] [--rounds 3] [--runtime R]
+
+``--runtime openvino`` measures OpenVINO's own in-process limit (a compiled model, its infer
+requests) against the server serving on OpenVINO; spinning is an ONNX Runtime setting, so only
+the batch size is searched there.
 """
 
 from __future__ import annotations
@@ -27,15 +31,33 @@ from serve_common import (
     write_section,
 )
 from slimline.serve import run_in_subprocess
-from slimline.serve.model import ort_serving_session
+from slimline.serve.model import make_backend, ort_serving_session
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def engine_best(path: Any, rows: dict[str, Any], seconds: float) -> tuple[float, int, bool]:
+class _BackendSession:
+    """A serving backend behind ``session.run``'s signature, for ``in_process_throughput``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def run(self, _names: Any, feed: dict[str, Any]) -> Any:
+        return self.backend.run(feed)
+
+
+def open_engine(path: Any, runtime: str, spinning: bool) -> Any:
+    if runtime == "onnxruntime":
+        return ort_serving_session(path, 2, spinning=spinning)
+    return _BackendSession(make_backend(path, 2, runtime))
+
+
+def engine_best(
+    path: Any, rows: dict[str, Any], seconds: float, runtime: str
+) -> tuple[float, int, bool]:
     best = (0.0, 1, False)
-    for spinning in (False, True):
-        sess = ort_serving_session(path, 2, spinning=spinning)
+    for spinning in (False, True) if runtime == "onnxruntime" else (False,):
+        sess = open_engine(path, runtime, spinning)
         for b in BATCHES:
             rps = in_process_throughput(sess, rows, b, seconds)
             best = max(best, (rps, b, spinning))
@@ -43,17 +65,18 @@ def engine_best(path: Any, rows: dict[str, Any], seconds: float) -> tuple[float,
     return best
 
 
-def measure(name: str, seconds: float, rounds: int) -> dict[str, Any]:
+def measure(name: str, seconds: float, rounds: int, runtime: str) -> dict[str, Any]:
     path, rows, note = MODELS[name]()
-    _, batch, spinning = engine_best(path, rows, 1.0)
-    sess = ort_serving_session(path, 2, spinning=spinning)
+    _, batch, spinning = engine_best(path, rows, 1.0, runtime)
+    sess = open_engine(path, runtime, spinning)
     loads = payloads(rows, "binary")
     servers = []
     for instances, threads in ((1, 2), (2, 1)):
         max_batch = min(max(8, batch), 64)
         flags = ["--threads", str(threads), "--instances", str(instances),
                  "--max-batch-size", str(max_batch), "--max-queue-delay-ms", "2",
-                 "--max-queue-size", "512", "--timeout-ms", "60000"]  # fmt: skip
+                 "--max-queue-size", "512", "--timeout-ms", "60000",
+                 "--runtime", runtime]  # fmt: skip
         concurrency = 2 * max_batch * instances
         engine, server, runs = [], [], []
         with run_in_subprocess([path], flags) as (url, _):
@@ -68,7 +91,7 @@ def measure(name: str, seconds: float, rounds: int) -> dict[str, Any]:
                         "p50_ms": runs[-1]["p50_ms"], "p99_ms": runs[-1]["p99_ms"],
                         "load_avg": os.getloadavg()[0]})  # fmt: skip
     return {"model": name, "note": note, "engine_batch": batch, "engine_spinning": spinning,
-            "servers": servers}  # fmt: skip
+            "runtime": runtime, "servers": servers}  # fmt: skip
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -99,22 +122,27 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", default="mnist,minilm")
+    ap.add_argument("--runtime", choices=["onnxruntime", "openvino"], default="onnxruntime")
     args = ap.parse_args()
-    results = [measure(m, args.seconds, args.rounds) for m in args.models.split(",")]
-    save_json("throughput", {"results": results})
+    results = [measure(m, args.seconds, args.rounds, args.runtime) for m in args.models.split(",")]
+    key = "throughput" if args.runtime == "onnxruntime" else f"throughput-{args.runtime}"
+    save_json(key, {"results": results})
     notes = "; ".join(f"{r['model']}: {r['note']}" for r in results)
     md = (
-        "## Throughput under concurrency: dynamic batching vs the in-process engine\n\n"
+        "## Throughput under concurrency: dynamic batching vs the in-process engine"
+        f"{'' if args.runtime == 'onnxruntime' else ', on ' + args.runtime}\n\n"
+        f"Runtime: {args.runtime} (engine and server). "
         f"Closed loop, single-row binary requests. Per server configuration, {args.rounds} "
-        f"rounds of A B: A = `session.run` in this process for {args.seconds / 2:g} s at the "
-        f"engine's best batch size (best rows/s over {list(BATCHES)} and spinning on/off, 2 "
+        f"rounds of A B: A = the runtime's own inference in this process for {args.seconds / 2:g}"
+        f" s at the engine's best batch size (best rows/s over {list(BATCHES)}, and spinning on/off on ONNX Runtime, 2 "
         f"threads), B = the server under load for {args.seconds:g} s after 1 s warm-up; the "
         "ratio is of the medians. The load generator shares the 2 cores with the server. "
         f"Models: {notes}.\n\n"
         f"{table(results)}\n\n"
-        "Reproduce: `nice -n 10 .venv/bin/python bench/serve_throughput.py`"
+        "Reproduce: `nice -n 10 .venv/bin/python bench/serve_throughput.py"
+        f"{'' if args.runtime == 'onnxruntime' else ' --runtime ' + args.runtime}`"
     )
-    write_section("throughput", md)
+    write_section(key, md)
     print(md)
 
 
