@@ -30,6 +30,7 @@ from slimline import StepContext, api
 from slimline.candidate import Candidate
 from slimline.commands import resolve_recipe
 from slimline.compress.finetune import distill, resolve_data
+from slimline.compress.pruning.depth import LayerMapHooks
 from slimline.compress.pruning.step import (
     HISTORY_FILE,
     WEIGHTS_FILE,
@@ -85,7 +86,14 @@ def more_recovery(
     data, source, _ = resolve_data(task, ft)
     start = time.perf_counter()
     result = distill(
-        student.train(), teacher, data, ft, output_kind=task.output_kind, task=task, desc="recovery"
+        student.train(),
+        teacher,
+        data,
+        ft,
+        output_kind=task.output_kind,
+        task=task,
+        desc="recovery",
+        hooks=_layer_map(entry),
     )
     seconds = time.perf_counter() - start
     after = _quality(ctx, Candidate("after", "prune", None, module=student.eval()))
@@ -113,6 +121,15 @@ def more_recovery(
         "warnings": ctx.warnings,
         "val_loss": history,
     }
+
+
+def _layer_map(entry: Path) -> LayerMapHooks | None:
+    """A depth-pruned model keeps learning each kept layer from the teacher layer it came from,
+    as the prune step's recovery did."""
+    drops = [h for h in json.loads((entry / HISTORY_FILE).read_text()) if isinstance(h, dict)]
+    if not drops:
+        return None
+    return LayerMapHooks(drops[-1]["path"], drops[-1]["path"], drops[-1]["keep"])
 
 
 def _markdown(doc: dict[str, Any], cmd: str) -> str:

@@ -421,3 +421,8 @@ def test_a_width_only_step_keeps_its_cache_key() -> None:
     key = PruneConfig(target=0.3).key_dict()
     assert "layers" not in key and "width" not in key
     assert PruneConfig(layers={"drop": 1}).key_dict()["layers"]["drop"] == 1
+
+
+def test_a_step_that_prunes_nothing_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="width: false without layers prunes nothing"):
+        PruneConfig(width=False)

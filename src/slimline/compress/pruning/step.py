@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ...candidate import Candidate
 from ...context import StepContext
@@ -126,6 +126,12 @@ class PruneConfig(StepConfig):
         "yes without `layers`, no with it",
     )
     progress: bool = True
+
+    @model_validator(mode="after")
+    def _prunes_something(self) -> PruneConfig:
+        if self.width is False and self.layers is None:
+            raise ValueError("width: false without layers prunes nothing; add layers: {drop: N}")
+        return self
 
     def key_dict(self) -> dict[str, Any]:
         """Without ``layers`` and ``width`` while unset: a width-only step keeps the cache key
