@@ -697,9 +697,19 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             f["latency_ms"] = pool_rounds(f["latency_ms"], g["latency_ms"])
             f["latency_samples_ms"] = f["latency_samples_ms"] + g["latency_samples_ms"]
     after = _load_check(run, "after")
-    drift = _drift_check(run, figures)
+    _record_conditions(run, _drift_check(run, figures), before, after)
+    rss_sample = _rss_sample(run, sample)
+    for c in cands:
+        _add_quality_and_memory(run, c, figures[c.name], rss_sample, run.runtimes[0])
+    return figures
+
+
+def _record_conditions(
+    run: Run, spread: Any, before: dict[str, Any], after: dict[str, Any]
+) -> None:
+    """What the machine was doing around the final benchmark, into the manifest."""
     run.extra["measurement_conditions"] = {
-        "round_spread": drift,
+        "round_spread": spread,
         "other_cores_before": before["other_cores"],
         "other_cores_after": after["other_cores"],
         "load_before": before["load"],
@@ -707,20 +717,13 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
         "cores": os.cpu_count(),
         "threads": run.threads,
     }
-    sig = run.task.signature
-    # a model that takes one row per call is measured on one row; its runner is a plain session
-    rss_sample = sample if sig is None or sig.max_batch is None else run.task.sample_inputs(1)
-    for c in cands:
-        _add_quality_and_memory(run, c, figures[c.name], rss_sample, run.runtimes[0])
-    return figures
 
 
-def _rss_sample(run: Run) -> Any:
+def _rss_sample(run: Run, sample: Any) -> Any:
+    """The inputs peak RSS is measured on: ``sample`` (the benchmark's largest batch), or one
+    row for a model that takes one row per call (its runner is a plain session)."""
     sig = run.task.signature
-    # a model that takes one row per call is measured on one row; its runner is a plain session
-    if sig is None or sig.max_batch is None:
-        return run.task.sample_inputs(max(run.recipe.bench.batch_sizes))
-    return run.task.sample_inputs(1)
+    return sample if sig is None or sig.max_batch is None else run.task.sample_inputs(1)
 
 
 def _add_quality_and_memory(
@@ -763,17 +766,9 @@ def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             runtimes=run.runtimes,
         )
     after = _load_check(run, "after")
-    run.extra["measurement_conditions"] = {
-        "round_spread": {
-            k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f
-        },
-        "other_cores_before": before["other_cores"],
-        "other_cores_after": after["other_cores"],
-        "load_before": before["load"],
-        "load_after": after["load"],
-        "cores": os.cpu_count(),
-        "threads": run.threads,
-    }
+    spread = {k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f}
+    _record_conditions(run, spread, before, after)
+    rss_sample = _rss_sample(run, sample)
     by_name = {c.name: c for c in cands}
     ctx = _context(run, run.out)
     out: dict[str, dict[str, Any]] = {c.name: {"runtimes": {}} for c in cands}
@@ -783,7 +778,7 @@ def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
         if "failed" in f:
             continue
         try:
-            q = _add_quality_and_memory(run, by_name[name], f, _rss_sample(run), rt)
+            q = _add_quality_and_memory(run, by_name[name], f, rss_sample, rt)
         except Exception as err:
             if is_user_error(err):
                 raise

@@ -10,11 +10,14 @@ and the best weights seen are the ones kept.
 from __future__ import annotations
 
 import copy
+import io
 import itertools
+import logging
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
@@ -23,11 +26,15 @@ from pydantic import Field
 from ..errors import DataError, RecipeError
 from ..module_guard import eval_module
 from ..recipe import Config
+from ..record import atomic_write_bytes
 from ..task import Task
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DistillHooks",
     "FeatureTap",
+    "FileCheckpoint",
     "FinetuneConfig",
     "FinetuneResult",
     "TrainCheckpoint",
@@ -86,6 +93,30 @@ class TrainCheckpoint(Protocol):
     def load(self) -> dict[str, Any] | None: ...
 
     def save(self, state: dict[str, Any]) -> None: ...
+
+
+class FileCheckpoint:
+    """A :class:`TrainCheckpoint` in one file: ``torch.save`` written atomically, read back with
+    ``weights_only=True``; ``what`` names the training in the resume message."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = path, what
+
+    def load(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.path.is_file():
+            return None
+        state: dict[str, Any] = torch.load(self.path, weights_only=True)
+        log.info("%s: continuing at step %d from %s", self.what, state["step"], self.path)
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(self.path, buf.getvalue())
 
 
 class DistillHooks:

@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -137,9 +137,16 @@ def build(arch: Arch = ARCH) -> Any:
 
 def weights_key(arch: Arch = ARCH, train: TrainConfig = TRAIN) -> str:
     """Hash of everything the trained weights depend on."""
+    return trained_key(asdict(arch), asdict(train))
+
+
+def trained_key(arch: dict[str, Any], train: dict[str, Any], model: str | None = None) -> str:
+    """Hash of a digits network's architecture, training settings and data split (``model``
+    names a network other than this example's)."""
     spec = {
-        "arch": asdict(arch),
-        "train": asdict(train),
+        **({"model": model} if model else {}),
+        "arch": arch,
+        "train": train,
         "data": {"seed": SPLIT_SEED, "per_class": TRAIN_PER_CLASS, "mean": MEAN, "std": STD},
         "version": 1,
     }
@@ -152,35 +159,46 @@ def weights_path() -> Path:
 
 def model() -> Any:
     """The trained FP32 network in eval mode; trains it first if the cache lacks its weights."""
+    return cached_network(weights_path(), build, train_model)
+
+
+def cached_network(path: Path, make: Callable[[], Any], train: Callable[[], dict[str, Any]]) -> Any:
+    """``make()`` with the weights cached at ``path`` (trained by ``train()`` first, under a
+    lock, when the cache lacks them), in eval mode."""
     import torch
 
-    path = weights_path()
     with _lock(path.with_suffix(".lock")):
         if not path.is_file():
-            _save_atomic(train_model(), path)
-    net = build()
+            _save_atomic(train(), path)
+    net = make()
     net.load_state_dict(torch.load(path, weights_only=True))
     return net.eval()
 
 
 def train_model(arch: Arch = ARCH, cfg: TrainConfig = TRAIN) -> dict[str, Any]:
     """Train from scratch (deterministic order and init); returns the state dict."""
+    return train_digits(lambda: build(arch), cfg, "training mnist example")
+
+
+def train_digits(make: Callable[[], Any], cfg: Any, desc: str) -> dict[str, Any]:
+    """Train ``make()`` on the digits' training split with ``cfg`` (a ``TrainConfig``-shaped
+    dataclass), deterministically: AdamW, one-cycle schedule, label smoothing."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # before make(): the initial weights follow the seed
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     x, y, _, _ = _split()
-    net = build(arch).to(memory_format=torch.channels_last)  # 2-3x faster conv training on CPU
+    net = make().to(memory_format=torch.channels_last)  # 2-3x faster conv training on CPU
     steps_per_epoch = -(-len(x) // cfg.batch)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.25
     )
     rng = np.random.default_rng(cfg.seed)
-    bar = tqdm(total=cfg.epochs * steps_per_epoch, desc="training mnist example", file=sys.stderr)
+    bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=desc, file=sys.stderr)
     try:
         net.train()
         for _ in range(cfg.epochs):

@@ -17,29 +17,20 @@ configuration and the data; later calls load them (``torch.load(weights_only=Tru
 
 from __future__ import annotations
 
-import hashlib
-import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..paths import cache_dir
 from .mnist import (
-    MEAN,
-    SPLIT_SEED,
-    STD,
-    TRAIN_PER_CLASS,
-    _lock,
-    _save_atomic,
-    _split,
+    cached_network,
     calibration_data,
     eval_data,
     loss,
     metric,
     train_data,
+    train_digits,
+    trained_key,
 )
 
 __all__ = [
@@ -99,14 +90,7 @@ def build(arch: Arch = ARCH) -> Any:
 
 def weights_key(arch: Arch = ARCH, train: TrainConfig = TRAIN) -> str:
     """Hash of everything the trained weights depend on."""
-    spec = {
-        "model": "mnist-dw",
-        "arch": asdict(arch),
-        "train": asdict(train),
-        "data": {"seed": SPLIT_SEED, "per_class": TRAIN_PER_CLASS, "mean": MEAN, "std": STD},
-        "version": 1,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return trained_key(asdict(arch), asdict(train), model="mnist-dw")
 
 
 def weights_path() -> Path:
@@ -115,55 +99,9 @@ def weights_path() -> Path:
 
 def model() -> Any:
     """The trained FP32 network in eval mode; trains it first if the cache lacks its weights."""
-    import torch
-
-    path = weights_path()
-    with _lock(path.with_suffix(".lock")):
-        if not path.is_file():
-            _save_atomic(train_model(), path)
-    net = build()
-    net.load_state_dict(torch.load(path, weights_only=True))
-    return net.eval()
+    return cached_network(weights_path(), build, train_model)
 
 
 def train_model(arch: Arch = ARCH, cfg: TrainConfig = TRAIN) -> dict[str, Any]:
     """Train from scratch (deterministic order and init); returns the state dict."""
-    import torch
-    import torch.nn.functional as F
-    from tqdm import tqdm
-
-    torch.manual_seed(cfg.seed)
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    x, y, _, _ = _split()
-    net = build(arch).to(memory_format=torch.channels_last)
-    steps_per_epoch = -(-len(x) // cfg.batch)
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.25
-    )
-    rng = np.random.default_rng(cfg.seed)
-    bar = tqdm(
-        total=cfg.epochs * steps_per_epoch, desc="training mnist-dw example", file=sys.stderr
-    )
-    try:
-        net.train()
-        for _ in range(cfg.epochs):
-            order = rng.permutation(len(x))
-            for i in range(0, len(x), cfg.batch):
-                idx = order[i : i + cfg.batch]
-                xb = torch.from_numpy(x[idx]).contiguous(memory_format=torch.channels_last)
-                err = F.cross_entropy(
-                    net(xb), torch.from_numpy(y[idx]), label_smoothing=cfg.label_smoothing
-                )
-                opt.zero_grad()
-                err.backward()  # type: ignore[no-untyped-call]
-                opt.step()
-                sched.step()
-                bar.update(1)
-                bar.set_postfix(loss=f"{err.item():.3f}")
-    finally:
-        bar.close()
-        torch.set_num_threads(prev_threads)
-    net = net.to(memory_format=torch.contiguous_format)
-    return {k: v.contiguous() for k, v in net.state_dict().items()}
+    return train_digits(lambda: build(arch), cfg, "training mnist-dw example")

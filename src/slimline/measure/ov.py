@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import CandidateError, ModelFileError, RuntimeMissingError
-from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
-from ..tensors import Inputs, check_inputs
+from ..signature import ModelInput, Signature
+from ..tensors import Inputs
+from .rowwise import RowwiseRunner
 
 __all__ = [
     "OV_EXTRA",
@@ -123,7 +124,7 @@ def _port_name(port: Any, index: int, prefix: str) -> str:
     return port.get_any_name() if names else f"{prefix}{index}"
 
 
-class OvRunner:
+class OvRunner(RowwiseRunner):
     """The :class:`~slimline.measure.runners.OrtRunner` contract (batching by signature, input
     checks, primary output) on an OpenVINO compiled model. One infer request per calling
     thread, so calls may overlap."""
@@ -174,28 +175,3 @@ class OvRunner:
             n: np.asarray(result[p])
             for n, p in zip(self.output_names, self.compiled.outputs, strict=True)
         }
-
-    def _check(self, inputs: Inputs) -> None:
-        if not self._checked:
-            check_inputs(inputs, self.spec, f"model {self.name}", self.signature)
-            self._checked = True
-
-    def _row_by_row(self, inputs: Inputs) -> bool:
-        sig = self.signature
-        return sig is not None and sig.max_batch == 1 and n_rows(inputs, sig) > 1
-
-    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        self._check(inputs)
-        if self._row_by_row(inputs):
-            parts = [self.call(row) for row in split_rows(inputs, 1, self.signature)]
-            return concat_outputs(parts, self.signature, stack_unbatched=False)
-        return self.call(inputs)
-
-    def run(self, inputs: Inputs) -> np.ndarray:
-        self._check(inputs)
-        primary = (self.signature.primary_output if self.signature else None) or self.output_names[
-            0
-        ]
-        if self._row_by_row(inputs):
-            return self.run_all(inputs)[primary]
-        return self.call(inputs)[primary]

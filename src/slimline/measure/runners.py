@@ -21,8 +21,9 @@ import numpy as np
 from ..candidate import Candidate
 from ..errors import CandidateError, InputMismatchError, ModelFileError, SlimlineError
 from ..module_guard import eval_module, torch_threads
-from ..signature import ModelInput, Signature, concat_outputs, n_rows, split_rows
-from ..tensors import Inputs, check_inputs
+from ..signature import ModelInput, Signature
+from ..tensors import Inputs
+from .rowwise import RowwiseRunner
 
 __all__ = [
     "ORT_TO_NP",
@@ -190,7 +191,7 @@ def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
     }
 
 
-class OrtRunner:
+class OrtRunner(RowwiseRunner):
     def __init__(
         self,
         name: str,
@@ -222,33 +223,6 @@ class OrtRunner:
     def call(self, inputs: Inputs) -> dict[str, np.ndarray]:
         """One session call, no batching."""
         return dict(zip(self.output_names, self.session.run(None, inputs), strict=True))
-
-    def _check(self, inputs: Inputs) -> None:
-        if not self._checked:
-            check_inputs(inputs, self.spec, f"model {self.name}", self.signature)
-            self._checked = True
-
-    def _row_by_row(self, inputs: Inputs) -> bool:
-        sig = self.signature
-        return sig is not None and sig.max_batch == 1 and n_rows(inputs, sig) > 1
-
-    def run_all(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        self._check(inputs)
-        if self._row_by_row(inputs):
-            parts = [self.call(row) for row in split_rows(inputs, 1, self.signature)]
-            return concat_outputs(parts, self.signature, stack_unbatched=False)
-        return self.call(inputs)
-
-    def run(self, inputs: Inputs) -> np.ndarray:
-        self._check(inputs)
-        primary = (self.signature.primary_output if self.signature else None) or self.output_names[
-            0
-        ]
-        if self._row_by_row(inputs):
-            return self.run_all(inputs)[primary]
-        # every output is computed, as a served model computes them all
-        outputs: list[np.ndarray] = self.session.run(None, inputs)
-        return outputs[self.output_names.index(primary)]
 
 
 class TorchRunner:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from slimline import api
-from slimline.compress.finetune import FinetuneConfig, distill
+from slimline.compress.finetune import FileCheckpoint, FinetuneConfig, distill
 from slimline.compress.pruning.step import PruneConfig
 from slimline.compress.qat import fakequant as fq
-from slimline.compress.qat.step import QatConfig, QatHooks, _check_data, _Checkpoint, _export
+from slimline.compress.qat.step import QatConfig, QatHooks, _check_data, _export
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.compress.quant.fallback import kernel_report
 from slimline.cpu import parse_cpuinfo
@@ -125,7 +125,7 @@ class _Killed(Exception):
     pass
 
 
-class _KillAfterFirstSave(_Checkpoint):
+class _KillAfterFirstSave(FileCheckpoint):
     def save(self, state: dict[str, Any]) -> None:
         super().save(state)
         raise _Killed
@@ -143,12 +143,12 @@ def test_a_killed_qat_run_resumes_inside_the_step(tmp_path: Path) -> None:
     with pytest.raises(_Killed):
         distill(
             student(), teacher, lambda: data, ft, output_kind="logits",
-            checkpoint=_KillAfterFirstSave(tmp_path / "t.pt"), hooks=QatHooks(cfg),
+            checkpoint=_KillAfterFirstSave(tmp_path / "t.pt", "qat"), hooks=QatHooks(cfg),
         )  # fmt: skip
     hooks = QatHooks(cfg)
     result = distill(
         student(), teacher, lambda: data, ft, output_kind="logits",
-        checkpoint=_Checkpoint(tmp_path / "t.pt"), hooks=hooks,
+        checkpoint=FileCheckpoint(tmp_path / "t.pt", "qat"), hooks=hooks,
     )  # fmt: skip
     assert result.resumed_from_step == 2 and result.steps == 6
     rec = hooks.record(result.steps)

@@ -33,6 +33,7 @@ from ...steps import Contract, step
 from ...task import Task
 from ..finetune import (
     DistillHooks,
+    FileCheckpoint,
     FinetuneConfig,
     accumulate_gradients,
     distill,
@@ -225,8 +226,8 @@ class RoundState:
             return None
         return part if (self.root / f"partial-{part['round']}.pt").is_file() else None
 
-    def recovery(self, i: int) -> _RecoveryCheckpoint:
-        return _RecoveryCheckpoint(self.root / f"partial-{i}.pt")
+    def recovery(self, i: int) -> FileCheckpoint:
+        return FileCheckpoint(self.root / f"partial-{i}.pt", "prune: recovery")
 
     def load_round(self) -> Any:
         import torch
@@ -235,25 +236,6 @@ class RoundState:
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-class _RecoveryCheckpoint:
-    """A round's recovery training state in one file (:class:`~..finetune.TrainCheckpoint`)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> dict[str, Any] | None:
-        import torch
-
-        if not self.path.is_file():
-            return None
-        state: dict[str, Any] = torch.load(self.path, weights_only=True)
-        log.info("prune: continuing recovery at step %d from %s", state["step"], self.path)
-        return state
-
-    def save(self, state: dict[str, Any]) -> None:
-        _save_torch(self.path, state)
 
 
 def _save_torch(path: Path, obj: Any) -> None:
@@ -909,7 +891,7 @@ def _recover_depth(
         output_kind=ctx.task.output_kind,
         task=ctx.task,
         desc="prune layers",
-        checkpoint=_RecoveryCheckpoint(state.root / DEPTH_PARTIAL),
+        checkpoint=FileCheckpoint(state.root / DEPTH_PARTIAL, "prune: recovery"),
         hooks=hooks,
     )
     quality = ctx.evaluate(Candidate("prune-layers", "prune", None, module=student.eval()))

@@ -13,18 +13,32 @@ ONNX_INT8 = (-128, 127)  # the weight range the exporter accepts; learned weight
 
 class _QWeight(nn.Module):
     """A weight on its learned INT8 grid, exported as QuantizeLinear + DequantizeLinear (per
-    output channel); quantizing a weight already on the grid changes nothing, so the export
-    computes exactly what the fake-quant model computes."""
+    output channel), with its float bias and an optional ReLU; quantizing a weight already on
+    the grid changes nothing, so the export computes exactly what the fake-quant model
+    computes."""
 
     weight: torch.Tensor
+    bias: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        scale: torch.Tensor,
+        zp: torch.Tensor,
+        relu: bool,
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
         self.register_buffer("scale", scale)
         self.register_buffer("zero_point", zp)
+        self.relu = relu
+
+    def activation(self, y: torch.Tensor) -> torch.Tensor:
+        return F.relu(y) if self.relu else y
 
     def quantized_weight(self) -> torch.Tensor:
         return torch.fake_quantize_per_channel_affine(
@@ -35,8 +49,6 @@ class _QWeight(nn.Module):
 class QConv2d(_QWeight):
     """Conv2d (BatchNorm folded in, optional ReLU) with an INT8-grid weight."""
 
-    bias: torch.Tensor
-
     def __init__(
         self,
         weight: torch.Tensor,
@@ -46,35 +58,20 @@ class QConv2d(_QWeight):
         conv: nn.Conv2d,
         relu: bool,
     ) -> None:
-        super().__init__(weight, scale, zp)
-        self.register_buffer("bias", bias)
+        super().__init__(weight, bias, scale, zp, relu)
         self.stride, self.padding = conv.stride, conv.padding
-        self.dilation, self.groups, self.relu = conv.dilation, conv.groups, relu
+        self.dilation, self.groups = conv.dilation, conv.groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.quantized_weight()
         pad = self.padding if isinstance(self.padding, str) else tuple(self.padding)
-        y = F.conv2d(x, w, self.bias, self.stride, pad, self.dilation, self.groups)
-        return F.relu(y) if self.relu else y
+        return self.activation(
+            F.conv2d(x, w, self.bias, self.stride, pad, self.dilation, self.groups)
+        )
 
 
 class QLinear(_QWeight):
     """Linear (optional ReLU) with an INT8-grid weight."""
 
-    bias: torch.Tensor
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        scale: torch.Tensor,
-        zp: torch.Tensor,
-        relu: bool,
-    ) -> None:
-        super().__init__(weight, scale, zp)
-        self.register_buffer("bias", bias)
-        self.relu = relu
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.quantized_weight(), self.bias)
-        return F.relu(y) if self.relu else y
+        return self.activation(F.linear(x, self.quantized_weight(), self.bias))

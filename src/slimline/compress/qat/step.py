@@ -13,7 +13,6 @@ against full-INT8 post-training quantization of the same format, measured interl
 
 from __future__ import annotations
 
-import io
 import logging
 import re
 import shutil
@@ -30,9 +29,15 @@ from ...cpu import detect as detect_cpu
 from ...errors import DataError, ExportError, StepError, error_text
 from ...module_guard import private_copy, torch_threads
 from ...recipe import StepConfig
-from ...record import atomic_write_bytes
 from ...steps import Contract, step
-from ..finetune import DistillHooks, FinetuneConfig, distill, resolve_data, to_tensors
+from ..finetune import (
+    DistillHooks,
+    FileCheckpoint,
+    FinetuneConfig,
+    distill,
+    resolve_data,
+    to_tensors,
+)
 from ..quant.fallback import kernel_report
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
@@ -87,29 +92,6 @@ class QatConfig(StepConfig):
         if isinstance(v, dict):
             return {**_default_finetune().model_dump(), **v}
         return v
-
-
-class _Checkpoint:
-    """The training state in one file (:class:`..finetune.TrainCheckpoint`), atomically."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def load(self) -> dict[str, Any] | None:
-        import torch
-
-        if not self.path.is_file():
-            return None
-        state: dict[str, Any] = torch.load(self.path, weights_only=True)
-        log.info("qat: continuing at step %d from %s", state["step"], self.path)
-        return state
-
-    def save(self, state: dict[str, Any]) -> None:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(self.path, buf.getvalue())
 
 
 class QatHooks(DistillHooks):
@@ -192,7 +174,7 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         output_kind=ctx.task.output_kind,
         task=ctx.task,
         desc="qat",
-        checkpoint=_Checkpoint(state / "train.pt"),
+        checkpoint=FileCheckpoint(state / "train.pt", "qat"),
         hooks=hooks,
     )
     fq.freeze_observers(student)
