@@ -25,6 +25,7 @@ from typing import Any
 from bench_out import Check, figure, publish, reproduce_command, reproduce_footer, run_check
 from slimline import api, cpu, load_task
 from slimline.edge.memory import MemoryBudgetError, choose, memory_profile
+from slimline.examples import EXAMPLES
 from slimline.recipe import recipe_from_dict
 
 TARGET_RATIO, MAX_P50_COST = 0.6, 0.15
@@ -168,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             targets.append((name, onnx, task.sample_inputs))
         for spec in args.onnx:
             name, _, path = spec.partition("=")
-            task = load_task(name.split("-")[0])
+            # an example's own graph under another name takes the example's inputs; any other
+            # file is its own task (inputs made from the graph's signature)
+            prefix = name.split("-")[0]
+            task = load_task(prefix if prefix in EXAMPLES else path)
             targets.append((name, Path(path), task.sample_inputs))
         for name, onnx, sample in targets:
             prof = _profile(onnx, sample, args.threads, args.rounds, args.runs)
