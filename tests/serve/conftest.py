@@ -118,6 +118,12 @@ def slow_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return slow_model(tmp_path_factory.mktemp("slow") / "slow.onnx", layers=120)
 
 
+@pytest.fixture(scope="session")
+def slower_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of about 80 ms a row on one thread: 30 queued requests are seconds of work."""
+    return slow_model(tmp_path_factory.mktemp("slower") / "slow.onnx", layers=400)
+
+
 def slow_model(path: Path, layers: int = 40, width: int = 1024) -> Path:
     """x FP32 [N, width] through ``layers`` MatMuls (40: about 8 ms a row on one thread)."""
     rng = np.random.default_rng(0)
