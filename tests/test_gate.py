@@ -46,6 +46,21 @@ def _write(tmp_path: Path, name: str, m: dict[str, Any]) -> str:
     return str(tmp_path / name)
 
 
+def served_on(m: dict[str, Any], runtime: str, version: str) -> dict[str, Any]:
+    return {**m, "selected_runtime": runtime, "runtimes": {runtime: {"version": version}}}
+
+
+def test_the_serving_runtime_and_its_version_are_compared() -> None:
+    ov = served_on(manifest(), "openvino", "2026.4.1")
+    assert hardware_differences(ov, served_on(manifest(), "openvino", "2026.4.1")) == ([], [])
+    differs, _ = hardware_differences(ov, served_on(manifest(), "openvino", "2025.1.0"))
+    assert differs == ["serving runtime openvino 2026.4.1 vs baseline openvino 2025.1.0"]
+    differs, _ = hardware_differences(ov, served_on(manifest(), "onnxruntime", "1.32.0"))
+    assert differs == ["serving runtime openvino 2026.4.1 vs baseline onnxruntime 1.32.0"]
+    _, unknown = hardware_differences(ov, manifest())
+    assert unknown == ["serving runtime (not recorded in the baseline)"]
+
+
 def test_like_targets_compare_cleanly() -> None:
     assert hardware_differences(manifest(), manifest()) == ([], [])
 

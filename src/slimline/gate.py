@@ -103,7 +103,18 @@ def _figures(m: dict[str, Any]) -> dict[str, Any]:
         "CPU cores": hw.get("cores"),
         "threads": (m.get("target") or {}).get("threads"),
         "onnxruntime": (m.get("versions") or {}).get("onnxruntime"),
+        "serving runtime": _serving_runtime(m),
     }
+
+
+def _serving_runtime(m: dict[str, Any]) -> str | None:
+    """The runtime the run picked to serve, with its version (OpenVINO's is not in
+    ``versions``); None in manifests from before the runtime choice or with nothing selected."""
+    name = m.get("selected_runtime")
+    if not name:
+        return None
+    version = ((m.get("runtimes") or {}).get(name) or {}).get("version")
+    return f"{name} {version}" if version else str(name)
 
 
 def _compare_int8(current: dict[str, Any], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -135,6 +146,8 @@ def hardware_differences(
     cur, base = _figures(current), _figures(baseline)
     for name, c in cur.items():
         b = base[name]
+        if c is None and b is None and name == "serving runtime":
+            continue  # two manifests from before the runtime choice: both served ONNX Runtime
         if c is None or b is None:
             side = "this run" if c is None else "the baseline"
             unknown.append(f"{name} (not recorded in {side})")
