@@ -170,10 +170,12 @@ def write_section(key: str, markdown: str) -> None:
 def conditions() -> str:
     """The machine a section was measured on, measured as the section is written."""
     from slimline.cpu import detect
-    from slimline.measure.host import busy_cores
+    from slimline.measure.host import other_work
 
-    busy = busy_cores(1.0)
-    other = "not readable" if busy is None else f"{busy:.1f} cores"
+    work = other_work(1.0)
+    other = (
+        "not readable" if work is None else f"{work[0]:.1f} cores ({work[1]:.1f} at low priority)"
+    )
     return (
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {detect().describe()}, "
         f"{os.cpu_count()} cores; other processes used {other} in the second before writing."

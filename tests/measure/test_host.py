@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from slimline.measure import host
 from slimline.measure.host import busy_cores
 
 
@@ -39,3 +40,12 @@ def test_busy_cores_counts_other_processes_and_not_our_own_threads() -> None:
         stop.set()
         t.join()
     assert own is not None and own <= base + 0.4, (base, own)
+
+
+def test_other_work_tells_low_priority_work_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernel's counters over one window: 1,000 ticks over all cores, 500 of them busy,
+    # 250 of those at nice > 0 (this process sleeps meanwhile, so none of it is its own)
+    ticks = iter([(1_000, 4_000, 100), (1_500, 5_000, 350)])
+    monkeypatch.setattr(host, "_busy_and_total", lambda: next(ticks))
+    cores = os.cpu_count() or 1
+    assert host.other_work(0.01) == (round(0.5 * cores, 2), round(0.25 * cores, 2))
