@@ -142,7 +142,11 @@ def _cascade(args: argparse.Namespace, settings: ServeSettings, memory: Any) -> 
 
     def load(path: Path) -> Any:
         return load_served_models(
-            [path], settings.threads, spinning=settings.ort_spinning, memory=memory
+            [path],
+            settings.threads,
+            spinning=settings.ort_spinning,
+            memory=memory,
+            instances=settings.batching.instances,
         )[0]
 
     edge_path, cloud = args.cascade
@@ -182,7 +186,12 @@ def run(args: argparse.Namespace) -> int:
     paths = [Path(m) for m in args.models]
     memory = _memory(args, settings)
     models = load_served_models(
-        paths, settings.threads, spinning=settings.ort_spinning, runtime=args.runtime, memory=memory
+        paths,
+        settings.threads,
+        spinning=settings.ort_spinning,
+        runtime=args.runtime,
+        memory=memory,
+        instances=settings.batching.instances,
     )
     if args.cascade:
         models.append(_cascade(args, settings, memory))

@@ -176,15 +176,16 @@ class OvBackend:
     """An OpenVINO compiled model on the CPU; ``threads`` inference threads per call. Its
     metadata (names, dtypes, shapes, symbolic dimension names) is read from the ONNX graph, as
     ONNX Runtime reports it, so both backends describe a model the same way; each calling
-    thread gets its own infer request (calls may overlap, as with an ONNX Runtime session)."""
+    thread gets its own infer request (calls may overlap, as with an ONNX Runtime session).
+    ``streams`` (the server's instances) requests run at once; more wait for a stream."""
 
     platform = "openvino_onnx"
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
+    def __init__(self, path: Path, threads: int = 1, streams: int = 1) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFileError(f"ONNX file {path} does not exist; check the path")
-        self.compiled = ov_compile(self.path, threads, user_model=True)
+        self.compiled = ov_compile(self.path, threads, user_model=True, streams=streams)
         self.inputs, self.outputs = onnx_specs(self.path)
         ports = {p.get_any_name(): p for p in self.compiled.outputs if p.get_names()}
         self._ports = [ports[o.name] for o in self.outputs]
@@ -316,6 +317,7 @@ def load_served_models(
     spinning: bool = False,
     runtime: str | None = None,
     memory: Callable[[Path, dict[str, Any]], MemorySetting | None] | None = None,
+    instances: int = 1,
 ) -> list[ServedModel]:
     """Load each path on ``runtime``, or (``None``) on the runtime its run picked (ONNX
     Runtime for a bare ``.onnx`` file); two paths may not share a served name.
@@ -335,7 +337,9 @@ def load_served_models(
         )
         if setting is not None:
             meta["memory_setting"] = setting.model_dump()
-        backend = make_backend(onnx_path, threads, chosen, spinning=spinning, memory=setting)
+        backend = make_backend(
+            onnx_path, threads, chosen, spinning=spinning, memory=setting, instances=instances
+        )
         models.append(ServedModel(name, backend, source=str(path), meta=meta))
     return models
 
@@ -347,9 +351,12 @@ def make_backend(
     *,
     spinning: bool = False,
     memory: MemorySetting | None = None,
+    instances: int = 1,
 ) -> InferenceBackend:
     """The serving backend for ``path`` on ``runtime`` (``onnxruntime`` or ``openvino``);
-    ``memory`` is an ONNX Runtime memory setting (the memory profile measures ONNX Runtime)."""
+    ``memory`` is an ONNX Runtime memory setting (the memory profile measures ONNX Runtime).
+    ``instances`` batches run at once: an ONNX Runtime session takes concurrent runs as it is,
+    an OpenVINO model needs one stream per instance."""
     if runtime == "openvino":
-        return OvBackend(path, threads)
+        return OvBackend(path, threads, streams=instances)
     return OrtBackend(path, threads, spinning=spinning, memory=memory)

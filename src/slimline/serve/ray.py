@@ -84,7 +84,13 @@ def load_blobs(blobs: list[ModelBlob], settings: ServeSettings) -> list[ServedMo
             path = Path(tmp) / f"{name}.onnx"
             path.write_bytes(data)
             runtime = meta.get("runtime") or "onnxruntime"  # the run's pick, as served locally
-            backend = make_backend(path, settings.threads, runtime, spinning=settings.ort_spinning)
+            backend = make_backend(
+                path,
+                settings.threads,
+                runtime,
+                spinning=settings.ort_spinning,
+                instances=settings.batching.instances,
+            )
             models.append(ServedModel(name, backend, source=meta.get("source", ""), meta=meta))
     return models
 
