@@ -222,3 +222,43 @@ def test_histogram_work_per_tensor_is_bounded_over_the_whole_calibration() -> No
     big = np.arange(_HIST_VALUES * 4, dtype=np.float32)
     assert _subsample(big, _hist_limit(1, 300)).size == _HIST_MIN_VALUES
     assert _subsample(big[:100], _hist_limit(1, 300)).size == 100  # small tensors whole
+
+
+def test_infinite_activations_are_calibrated_on_their_finite_values(tmp_path: Path) -> None:
+    # an attention-like graph: scores + mask, where the mask is -inf on padded positions
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["scores"]),
+            helper.make_node("Add", ["scores", "mask"], ["masked"]),
+            helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+            helper.make_node("MatMul", ["probs", "V"], ["y"]),
+        ],
+        "masked",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["N", 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])],
+        initializer=[
+            onnx.numpy_helper.from_array(np.eye(4, dtype=np.float32), "W"),
+            onnx.numpy_helper.from_array(np.ones((4, 2), np.float32), "V"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "masked.onnx"
+    onnx.save(model, str(path))
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-3, 2, size=(16, 4)).astype(np.float32)
+    mask = np.where(np.arange(4)[None, :] < 3, 0.0, -np.inf).astype(np.float32).repeat(16, 0)
+    cal = calibrate(path, [{"x": x, "mask": mask}], tmp_path / "c", samples=16,
+                    methods={"minmax", "percentile", "entropy"})  # fmt: skip
+    lo, hi = cal.ranges["masked"]
+    finite = (x + mask)[:, :3]
+    assert (lo, hi) == pytest.approx((float(finite.min()), float(finite.max())), rel=1e-6)
+    assert cal.nonfinite["masked"] == pytest.approx(0.25)  # one position in four
+    assert "x" not in cal.nonfinite
+    assert cal.summary()["nonfinite_tensors"]["masked"] == pytest.approx(0.25)
+    for method in ("minmax", "percentile", "entropy"):
+        text = (tmp_path / "c" / f"calibration-{method}.json").read_text()
+        assert "Infinity" not in text and "NaN" not in text, method

@@ -114,6 +114,9 @@ class Calibration:
     wall_s: float
     peak_rss_mb: float
     representativeness: dict[str, Any] = field(default_factory=dict)
+    # tensor -> share of its values that were inf or NaN (attention scores under a -inf mask);
+    # their ranges come from the finite values, where the quantized graph saturates the rest
+    nonfinite: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -123,6 +126,7 @@ class Calibration:
             "peak_rss_mb": round(self.peak_rss_mb, 1),
             "methods": sorted(self.caches),
             "tensors": len(self.stats),
+            "nonfinite_tensors": {k: round(v, 6) for k, v in sorted(self.nonfinite.items())},
         }
 
 
@@ -241,6 +245,7 @@ def calibrate(
         wall_s=time.perf_counter() - t0,
         peak_rss_mb=rss.peak_mb,
         representativeness=rep,
+        nonfinite=acc.nonfinite_shares(),
     )
 
 
@@ -279,6 +284,7 @@ class _Accumulator:
 
         self.methods = methods
         self.moments: dict[str, TensorStats] = {}
+        self.nonfinite: dict[str, list[int]] = {}  # tensor -> [non-finite values, all values]
         # the value histogram serves the statistics, and Percentile when asymmetric
         self.value = HistogramCollector("percentile", False, _BINS, 128, percentile, "same")
         self.absolute = (
@@ -294,7 +300,11 @@ class _Accumulator:
 
     def fold(self, session: Any, wanted: list[str], inputs: Inputs, limit: int) -> int:
         outs = session.run(wanted, inputs)
-        data = {name: arr for name, arr in zip(wanted, outs, strict=True) if arr.dtype.kind == "f"}
+        data = {
+            name: self._finite(name, arr)
+            for name, arr in zip(wanted, outs, strict=True)
+            if arr.dtype.kind == "f"
+        }
         sub = {name: _subsample(arr, limit) for name, arr in data.items()}
         for name, arr in data.items():
             self.moments.setdefault(name, TensorStats()).update(arr, sub[name])
@@ -303,6 +313,26 @@ class _Accumulator:
                 _bound_bins(coll, sub)
                 coll.collect(sub)
         return int(sum(a.nbytes for a in outs))
+
+    def _finite(self, name: str, arr: np.ndarray) -> np.ndarray:
+        """``arr`` with inf and NaN set to its finite extremes (0 when none is finite): a
+        masked attention score of -inf has no range to calibrate, and one such value would
+        make every range and histogram of the tensor infinite."""
+        ok = np.isfinite(arr)
+        count = self.nonfinite.setdefault(name, [0, 0])
+        count[1] += arr.size
+        if ok.all():
+            return arr
+        count[0] += int(arr.size - ok.sum())
+        finite = arr[ok]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+        out: np.ndarray = np.nan_to_num(
+            arr, nan=0.0 if lo <= 0.0 <= hi else lo, posinf=hi, neginf=lo
+        )
+        return out
+
+    def nonfinite_shares(self) -> dict[str, float]:
+        return {k: bad / total for k, (bad, total) in self.nonfinite.items() if bad}
 
     def write_caches(self, out_dir: Path) -> dict[str, Path]:
         from onnxruntime.quantization.calibrate import (
