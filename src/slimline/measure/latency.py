@@ -8,7 +8,7 @@ the per-round values, so a reader can tell a real difference from noise.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -197,6 +197,7 @@ def benchmark(
     desc: str = "benchmark",
     signature: Signature | None = None,
     runtimes: Sequence[str] = ("onnxruntime",),
+    pairs: Collection[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
     interleaved.
@@ -204,11 +205,14 @@ def benchmark(
     With one runtime the results are keyed by candidate name. With several, every ONNX
     candidate runs on each (interleaved in the same rounds) and is keyed by
     :func:`~slimline.runtimes.pair_name`; a pair that runtime cannot load gets ``{"failed":
-    message}`` and the other pairs are measured."""
+    message}`` and the other pairs are measured. ``pairs`` (pair names) limits a benchmark on
+    several runtimes to those pairs."""
     torch_runs = any(c.onnx is None for c in cands)
     # pinned once for the whole benchmark, so that a torch runner changes nothing per call
     with torch_threads(threads) if torch_runs else nullcontext():
-        return _benchmark(cands, sample, bench, threads, throughput, desc, signature, runtimes)
+        return _benchmark(
+            cands, sample, bench, threads, throughput, desc, signature, runtimes, pairs
+        )
 
 
 def _benchmark(
@@ -220,8 +224,9 @@ def _benchmark(
     desc: str,
     signature: Signature | None,
     runtimes: Sequence[str] = ("onnxruntime",),
+    pairs: Collection[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    keyed, failed = _runners(cands, threads, signature, runtimes)
+    keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
     if not keyed:
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
@@ -263,10 +268,15 @@ def _benchmark(
 
 
 def _runners(
-    cands: list[Candidate], threads: int, sig: Signature | None, runtimes: Sequence[str]
+    cands: list[Candidate],
+    threads: int,
+    sig: Signature | None,
+    runtimes: Sequence[str],
+    pairs: Collection[str] | None = None,
 ) -> tuple[list[tuple[str, Runner]], dict[str, dict[str, Any]]]:
-    """(key, runner) per measured pair; with several runtimes, ``{"failed": why}`` per pair a
-    runtime cannot load (with one runtime a load failure raises, as before)."""
+    """(key, runner) per measured pair (only those in ``pairs`` when given); with several
+    runtimes, ``{"failed": why}`` per pair a runtime cannot load (with one runtime a load
+    failure raises, as before)."""
     from ..errors import CandidateError
     from ..runtimes import pair_name
 
@@ -277,6 +287,8 @@ def _runners(
     for c in cands:
         for rt in runtimes if c.onnx is not None else ["torch"]:
             key = pair_name(rt, c.name)
+            if pairs is not None and key not in pairs:
+                continue
             try:
                 keyed.append((key, make_runner(c, threads, sig, rt)))
             except CandidateError as err:
