@@ -34,7 +34,15 @@ from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext, step_key_parts
 from .errors import RecipeError, SlimlineError, StepError, error_text, is_user_error
 from .export import ExportConfig
-from .measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift, speed_verdict
+from .measure.latency import (
+    DRIFT_SPREAD,
+    Until,
+    benchmark,
+    cannot_be_faster,
+    pool_rounds,
+    round_drift,
+    speed_verdict,
+)
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
 from .measure.runners import check_candidate, make_runner
@@ -544,7 +552,7 @@ def _judge(
     b = run.recipe.budget
     if b.objective == "size":
         return _judge_size(parent, cand, b.min_gain, budget_reason)
-    lat = _compare(run, [parent, cand], runtime=runtime)
+    lat = _compare(run, [parent, cand], runtime=runtime, until=_settled_slower(run, parent, cand))
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     verdict, pair = speed_verdict(p, c, b.min_gain)
     if verdict == "inconclusive":
@@ -571,6 +579,12 @@ def _judge(
     )
     if verdict != "faster":
         why = "slower than" if pair["ratio"] > 1.0 else "not measurably faster than"
+        planned = run.recipe.bench.rounds
+        if pair["rounds"] < planned:
+            figures += (
+                f"; stopped after {pair['rounds']} of {planned} rounds: it missed the "
+                f"{b.min_gain:.0%} gain in more than half of them, which no later round changes"
+            )
         return False, f"{why} {parent.name}: {figures}; {budget_reason}"
     if b.p99_ms is not None and c["p99"] > b.p99_ms:
         run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
@@ -631,7 +645,11 @@ def _quality(run: Run, cand: Candidate, runtime: str | None = None) -> Quality:
 
 
 def _compare(
-    run: Run, cands: list[Candidate], rounds: int | None = None, runtime: str | None = None
+    run: Run,
+    cands: list[Candidate],
+    rounds: int | None = None,
+    runtime: str | None = None,
+    until: Until | None = None,
 ) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
     bench = run.recipe.bench
@@ -644,7 +662,20 @@ def _compare(
         desc="compare " + " vs ".join(c.name for c in cands),
         signature=run.task.signature,
         runtimes=[runtime or run.runtimes[0]],
+        until=until,
     )
+
+
+def _settled_slower(run: Run, parent: Candidate, cand: Candidate) -> Until:
+    """Stops a parent-vs-candidate comparison as soon as its verdict can only be ``not faster``
+    (:func:`~slimline.measure.latency.cannot_be_faster`): a clear rejection costs about half
+    the rounds, and every verdict stays what all the rounds would have given."""
+    rounds, gain = run.recipe.bench.rounds, run.recipe.budget.min_gain
+
+    def until(p50s: dict[str, list[float]]) -> bool:
+        return cannot_be_faster(p50s[parent.name], p50s[cand.name], rounds, gain)
+
+    return until
 
 
 def _size(c: Candidate) -> int | None:
