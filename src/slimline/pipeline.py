@@ -709,12 +709,15 @@ def _measure_all(run: Run) -> None:
     cands = [c for c in run.chain if not _failed(c)]
     if len(run.runtimes) > 1:  # rivals (NNCF): measured on both; the pick if accepted there
         cands += [a for a in run.alternatives if a.meta.get("competes") and not _failed(a)]
+    # with several runtimes, which pairs are timed follows the verdicts: part of the key
+    timed = {"timed": sorted(_pairs_to_time(run, cands))} if len(run.runtimes) > 1 else {}
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
             "names": [c.name for c in cands],
             "data": run.hashes,
             **_measure_key_parts(run),
+            **timed,
         }
     )
     cached = None if run.remeasure else run.cache.get_json("measure", key)
