@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench_out import Check, claim, figure, publish, reproduce_command, reproduce_footer, run_check
+from optimize_wall import kept_sections
 from slimline.commands import builtin_recipes
 from slimline.cpu import detect
 from slimline.measure.host import busy_cores
@@ -89,6 +90,8 @@ def _row(label: str, f: dict[str, Any] | None, base: dict[str, Any], cand: str, 
         return f"| {label} | {figure(None)} | | | | | | | |"
     if "failed" in f:
         return f"| {label} | {_failure(f['failed'])} | | | | | | | |"
+    if "latency_ms" not in f:  # rejected on this runtime: its verdict's figures, not re-timed
+        return _judged_row(label, f, cand, rt)
     lat = f["latency_ms"]
     size = f.get("size_bytes")
     return (
@@ -96,6 +99,23 @@ def _row(label: str, f: dict[str, Any] | None, base: dict[str, Any], cand: str, 
         f"{_paired_ratio(f, base):.3f}x | {f['fidelity']['cosine_mean']:.5f} | "
         f"{f['metric']['value']:.4f} | {figure(f.get('peak_rss_mb'), '.1f')} | "
         f"{figure(size / 1e6 if size else None, '.2f')} | {_verdict(f, cand, rt)} |"
+    )
+
+
+def _judged_row(label: str, f: dict[str, Any], cand: str, rt: str) -> str:
+    """A pair its step was rejected on: not in the final benchmark (it cannot be the pick);
+    the p50 and ratio are from its accept/reject comparison against its parent."""
+    j = f.get("judged") or {}
+    timed = (
+        f"{j['p50_ms']:.3f} ms, {j['ratio']:.3f}x {j['against']} (its accept/reject comparison)"
+        if j
+        else "not timed"
+    )
+    size = f.get("size_bytes")
+    return (
+        f"| {label} | {timed} | | | {f['fidelity']['cosine_mean']:.5f} | "
+        f"{f['metric']['value']:.4f} | | {figure(size / 1e6 if size else None, '.2f')} | "
+        f"{_verdict(f, cand, rt)} |"
     )
 
 
@@ -168,8 +188,11 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         "come from one interleaved benchmark per model and are the figures to quote.",
         "",
         "Each model: its built-in recipe with `target.runtime: auto` and `quantize: {nncf: "
-        "true}`. Every (runtime, candidate) pair is timed in the same interleaved rounds at "
-        "batch 1; ratio = median per-round ratio to FP32 ONNX Runtime; fidelity = mean cosine "
+        "true}`. Every (runtime, candidate) pair that can be the pick (FP32 on each runtime, "
+        "each candidate on each runtime its step was kept on) is timed in the same interleaved "
+        "rounds at batch 1; a pair rejected on its runtime shows the p50 of its accept/reject "
+        "comparison against its parent instead (no RSS: it is not re-run). "
+        "Ratio = median per-round ratio to FP32 ONNX Runtime; fidelity = mean cosine "
         "to the FP32 PyTorch outputs on that runtime's own outputs; peak RSS in a fresh process. "
         "OpenVINO runs with INFERENCE_NUM_THREADS = the target's threads, the LATENCY hint, no "
         "hyper-threading and f32 inference precision (on this AMX CPU its default would run FP32 "
@@ -215,6 +238,15 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
             )
         )
         lines += ["", claim(r["check"], "The auto pick is the fastest in-budget pair"), ""]
+        phases = m.get("phase_seconds") or {}
+        if phases:
+            top = sorted(phases.items(), key=lambda kv: -kv[1])[:8]
+            lines += [
+                "Where the run's time went (seconds): "
+                + ", ".join(f"{k} {v:.0f}" for k, v in top)
+                + ".",
+                "",
+            ]
     lines += reproduce_footer(reproduce_command("runtimes.py", _footer_argv(argv)))
     return "\n".join(lines)
 
@@ -240,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
     busy = {"before": before, "after": busy_cores(1.0)}
     text = render(results, busy, sys.argv[1:] if argv is None else argv)
+    if args.out is not None and args.out.is_file():  # optimize_wall.py's sections stay
+        text = "\n\n".join([text.rstrip("\n"), *kept_sections(args.out.read_text())]) + "\n"
     doc = {
         "cpu": {"kind": detect().kind, "features": sorted(detect().features)},
         "busy_cores": busy,

@@ -13,12 +13,14 @@ from typing import Any
 from .candidate import Candidate
 from .runtimes import Pair, pick_pair
 
-__all__ = ["apply_pick", "pairs_of", "side_by_side"]
+__all__ = ["BASELINE", "accepted_on", "apply_pick", "pairs_of", "side_by_side"]
 
 BASELINE = "fp32-onnx"
 
 
-def _accepted_on(c: Candidate, runtime: str) -> bool:
+def accepted_on(c: Candidate, runtime: str) -> bool:
+    """Whether ``c`` can be the pick on ``runtime``: the baseline, or its step was kept there
+    (a candidate judged before verdicts were kept per runtime: its one verdict)."""
     if c.name == BASELINE:
         return True
     verdicts = c.meta.get("runtime_verdicts") or {}
@@ -33,7 +35,7 @@ def pairs_of(cands: list[Candidate]) -> list[Pair]:
         if c.onnx is None:
             continue
         for rt, f in ((c.measurement or {}).get("runtimes") or {}).items():
-            if "failed" in f:
+            if "failed" in f or "latency_ms" not in f:  # not loadable, or not timed: no pick
                 continue
             pairs.append(
                 Pair(
@@ -41,7 +43,7 @@ def pairs_of(cands: list[Candidate]) -> list[Pair]:
                     candidate=c.name,
                     p50_ms=float(f["latency_ms"]["p50"]),
                     within_budget=bool(f.get("within_budget")),
-                    eligible=_accepted_on(c, rt),
+                    eligible=accepted_on(c, rt),
                     why=str(f.get("budget_reason", "")),
                 )
             )

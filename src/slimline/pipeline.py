@@ -34,7 +34,15 @@ from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext, step_key_parts
 from .errors import RecipeError, SlimlineError, StepError, error_text, is_user_error
 from .export import ExportConfig
-from .measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift, speed_verdict
+from .measure.latency import (
+    DRIFT_SPREAD,
+    Until,
+    benchmark,
+    cannot_be_faster,
+    pool_rounds,
+    round_drift,
+    speed_verdict,
+)
 from .measure.memory import peak_rss
 from .measure.quality import Quality, Reference, evaluate, make_reference
 from .measure.runners import check_candidate, make_runner
@@ -83,6 +91,9 @@ class Run:
     started: float = field(default_factory=time.time)
     # the runtimes every candidate is measured on: the target's, or both for runtime auto
     runtimes: list[str] = field(default_factory=lambda: ["onnxruntime"])
+    # metric and fidelity of each ONNX file on each runtime, measured once per run: a step's
+    # search, its accept/reject verdict and the final figures read the same evaluation
+    qualities: dict[tuple[str, str], Quality] = field(default_factory=dict)
 
     @property
     def serving_runtime(self) -> str:
@@ -141,8 +152,10 @@ def run_recipe(
             _run_step(run, cfg)
             write_manifest(run, "running")
         _measure_all(run)
-        _profile_or_warn(run)
-        _memory_profile(run)
+        with _timed("per-operator profile", run):
+            _profile_or_warn(run)
+        with _timed("memory profile", run):
+            _memory_profile(run)
     except Exception as err:
         stopped = _stop(run, err)
         if stopped is err:
@@ -194,7 +207,7 @@ def _steps_after_export(recipe: Recipe) -> list[StepConfig]:
 
 def _baselines(run: Run) -> None:
     task = run.task
-    with _timed("hashing data"):
+    with _timed("hashing data", run):
         run.hashes["calibration_data"] = data_hash(task.calibration_data())
         run.hashes["eval_data"] = data_hash(task.eval_data())
     if task.is_onnx:
@@ -256,7 +269,7 @@ def start_run(
 
 
 def _reference(run: Run, cand: Candidate) -> Reference:
-    with _timed("FP32 reference outputs"):
+    with _timed("FP32 reference outputs", run):
         runner = make_runner(cand, run.threads, run.task.signature)
         return make_reference(runner, run.task, run.recipe.bench.eval_limit)
 
@@ -298,7 +311,7 @@ def _cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
     entry = run.cache.step_dir(key)
     if entry is None:
         log.info("step %s: running", cfg.kind)
-        with _timed(f"step {cfg.kind}"):
+        with _timed(f"step {cfg.kind}", run):
             entry = run.cache.build_step(key, lambda tmp: _execute(run, cfg, cand, tmp))
     else:
         log.info("step %s: reusing cached result %s", cfg.kind, entry.name)
@@ -504,21 +517,32 @@ def _judge_runtimes(run: Run, parent: Candidate, cand: Candidate) -> dict[str, d
     With several runtimes, a candidate (or its parent) that one runtime cannot load or run is
     rejected on that runtime with the runtime's message; the other runtime's verdict stands."""
     if len(run.runtimes) == 1:
-        ok, why = _judge(run, parent, cand, run.runtimes[0])
+        with _timed(f"judge {cand.name} on {run.runtimes[0]}", run):
+            ok, why = _judge(run, parent, cand, run.runtimes[0])
         return {run.runtimes[0]: {"accepted": ok, "reason": why}}
     verdicts: dict[str, dict[str, Any]] = {}
     for rt in run.runtimes:
+        timing: dict[str, Any] = {}
         try:
-            ok, why = _judge(run, parent, cand, rt)
+            with _timed(f"judge {cand.name} on {rt}", run):
+                ok, why = _judge(run, parent, cand, rt, timing)
         except Exception as err:
             if is_user_error(err):
                 raise
             ok, why = False, f"failed: {error_text(err)}"
-        verdicts[rt] = {"accepted": ok, "reason": why}
+        verdicts[rt] = {"accepted": ok, "reason": why, **({"timing": timing} if timing else {})}
     return verdicts
 
 
-def _judge(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> tuple[bool, str]:
+def _judge(
+    run: Run,
+    parent: Candidate,
+    cand: Candidate,
+    runtime: str,
+    timing: dict[str, Any] | None = None,
+) -> tuple[bool, str]:
+    """(kept, why) for ``cand`` against ``parent`` on ``runtime``; ``timing`` receives the
+    comparison's figures when one was timed."""
     assert run.reference is not None
     ctx = _context(run, run.out)
     quality = _quality(run, cand, runtime)
@@ -528,7 +552,7 @@ def _judge(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> tuple[
     b = run.recipe.budget
     if b.objective == "size":
         return _judge_size(parent, cand, b.min_gain, budget_reason)
-    lat = _compare(run, [parent, cand], runtime=runtime)
+    lat = _compare(run, [parent, cand], runtime=runtime, until=_settled_slower(run, parent, cand))
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     verdict, pair = speed_verdict(p, c, b.min_gain)
     if verdict == "inconclusive":
@@ -546,6 +570,8 @@ def _judge(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> tuple[
         lat = again
         verdict, pair = speed_verdict(p, c, b.min_gain)
     ratio = c["p50"] / p["p50"]
+    if timing is not None:
+        timing.update(_timing_record(parent.name, p, c, pair))
     pc, cc = lat[parent.name]["cpu_ms"]["p50"], lat[cand.name]["cpu_ms"]["p50"]
     figures = (
         f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name}; "
@@ -553,10 +579,31 @@ def _judge(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> tuple[
     )
     if verdict != "faster":
         why = "slower than" if pair["ratio"] > 1.0 else "not measurably faster than"
+        planned = run.recipe.bench.rounds
+        if pair["rounds"] < planned:
+            figures += (
+                f"; stopped after {pair['rounds']} of {planned} rounds: it missed the "
+                f"{b.min_gain:.0%} gain in more than half of them, which no later round changes"
+            )
         return False, f"{why} {parent.name}: {figures}; {budget_reason}"
     if b.p99_ms is not None and c["p99"] > b.p99_ms:
         run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
     return True, f"faster: {figures}; {budget_reason}"
+
+
+def _timing_record(
+    parent: str, p: dict[str, Any], c: dict[str, Any], pair: dict[str, Any]
+) -> dict[str, Any]:
+    """A verdict's latency figures: the candidate against its parent, interleaved at batch 1."""
+    return {
+        "against": parent,
+        "p50_ms": c["p50"],
+        "band_ms": c["band"],
+        "parent_p50_ms": p["p50"],
+        "parent_band_ms": p["band"],
+        "ratio": pair["ratio"],
+        "rounds": pair["rounds"],
+    }
 
 
 def _pair_text(pair: dict[str, Any]) -> str:
@@ -582,14 +629,27 @@ def _judge_size(parent: Candidate, cand: Candidate, min_gain: float, why: str) -
 
 
 def _quality(run: Run, cand: Candidate, runtime: str | None = None) -> Quality:
-    """Metric and fidelity of ``cand`` on ``runtime`` (default: the run's first runtime)."""
+    """Metric and fidelity of ``cand`` on ``runtime`` (default: the run's first runtime). An
+    ONNX file is evaluated once per runtime in a run (the same file on the same runtime and
+    data gives the same outputs); a failure is not kept, so it is raised again where asked."""
     assert run.reference is not None
-    runner = make_runner(cand, run.threads, run.task.signature, runtime or run.runtimes[0])
-    return evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
+    rt = runtime or run.runtimes[0]
+    key = (cand.content_hash(), rt) if cand.onnx is not None else None
+    if key is not None and key in run.qualities:
+        return run.qualities[key]
+    runner = make_runner(cand, run.threads, run.task.signature, rt)
+    quality = evaluate(runner, run.task, run.reference, run.recipe.bench.eval_limit)
+    if key is not None:
+        run.qualities[key] = quality
+    return quality
 
 
 def _compare(
-    run: Run, cands: list[Candidate], rounds: int | None = None, runtime: str | None = None
+    run: Run,
+    cands: list[Candidate],
+    rounds: int | None = None,
+    runtime: str | None = None,
+    until: Until | None = None,
 ) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
     bench = run.recipe.bench
@@ -602,7 +662,20 @@ def _compare(
         desc="compare " + " vs ".join(c.name for c in cands),
         signature=run.task.signature,
         runtimes=[runtime or run.runtimes[0]],
+        until=until,
     )
+
+
+def _settled_slower(run: Run, parent: Candidate, cand: Candidate) -> Until:
+    """Stops a parent-vs-candidate comparison as soon as its verdict can only be ``not faster``
+    (:func:`~slimline.measure.latency.cannot_be_faster`): a clear rejection costs about half
+    the rounds, and every verdict stays what all the rounds would have given."""
+    rounds, gain = run.recipe.bench.rounds, run.recipe.budget.min_gain
+
+    def until(p50s: dict[str, list[float]]) -> bool:
+        return cannot_be_faster(p50s[parent.name], p50s[cand.name], rounds, gain)
+
+    return until
 
 
 def _size(c: Candidate) -> int | None:
@@ -636,12 +709,15 @@ def _measure_all(run: Run) -> None:
     cands = [c for c in run.chain if not _failed(c)]
     if len(run.runtimes) > 1:  # rivals (NNCF): measured on both; the pick if accepted there
         cands += [a for a in run.alternatives if a.meta.get("competes") and not _failed(a)]
+    # with several runtimes, which pairs are timed follows the verdicts: part of the key
+    timed = {"timed": sorted(_pairs_to_time(run, cands))} if len(run.runtimes) > 1 else {}
     key = json_hash(
         {
             "measure": [c.content_hash() for c in cands],
             "names": [c.name for c in cands],
             "data": run.hashes,
             **_measure_key_parts(run),
+            **timed,
         }
     )
     cached = None if run.remeasure else run.cache.get_json("measure", key)
@@ -666,7 +742,7 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     bench: BenchConfig = run.recipe.bench
     sample = run.task.sample_inputs(max(bench.batch_sizes))
     before = _load_check(run, "before")
-    with _timed("benchmark (interleaved)"):
+    with _timed("final benchmark", run):
         figures = benchmark(
             cands,
             sample,
@@ -699,8 +775,9 @@ def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     after = _load_check(run, "after")
     _record_conditions(run, _drift_check(run, figures), before, after)
     rss_sample = _rss_sample(run, sample)
-    for c in cands:
-        _add_quality_and_memory(run, c, figures[c.name], rss_sample, run.runtimes[0])
+    with _timed("final quality, size and peak RSS", run):
+        for c in cands:
+            _add_quality_and_memory(run, c, figures[c.name], rss_sample, run.runtimes[0])
     return figures
 
 
@@ -746,16 +823,18 @@ def _add_quality_and_memory(
 
 
 def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
-    """Runtime auto: every candidate on every runtime, interleaved in one benchmark; each
-    (runtime, candidate) pair's quality checked against the budget on its own outputs.
-    Returns ``{candidate: {"runtimes": {runtime: figures}}}``; a pair a runtime cannot load or
-    run has ``{"failed": why}``."""
-    from .runtimes import split_pair_name
+    """Runtime auto: the pairs that can be the pick (:func:`_pairs_to_time`) on every runtime,
+    interleaved in one benchmark; each (runtime, candidate) pair's quality checked against the
+    budget on its own outputs. Returns ``{candidate: {"runtimes": {runtime: figures}}}``; a pair
+    a runtime cannot load or run has ``{"failed": why}``, a pair its step was rejected on has
+    its quality and its verdict's timing under ``not_timed``/``judged``."""
+    from .runtimes import pair_name
 
     bench: BenchConfig = run.recipe.bench
     sample = run.task.sample_inputs(max(bench.batch_sizes))
+    timed = _pairs_to_time(run, cands)
     before = _load_check(run, "before")
-    with _timed("benchmark (interleaved, every runtime)"):
+    with _timed("final benchmark", run):
         figures = benchmark(
             cands,
             sample,
@@ -764,28 +843,75 @@ def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
             desc="measure all (runtime, candidate) pairs",
             signature=run.task.signature,
             runtimes=run.runtimes,
+            pairs=timed,
         )
     after = _load_check(run, "after")
     spread = {k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f}
     _record_conditions(run, spread, before, after)
     rss_sample = _rss_sample(run, sample)
-    by_name = {c.name: c for c in cands}
     ctx = _context(run, run.out)
     out: dict[str, dict[str, Any]] = {c.name: {"runtimes": {}} for c in cands}
-    for key, f in figures.items():
-        rt, name = split_pair_name(key)
-        out[name]["runtimes"][rt] = f
-        if "failed" in f:
-            continue
-        try:
-            q = _add_quality_and_memory(run, by_name[name], f, rss_sample, rt)
-        except Exception as err:
-            if is_user_error(err):
-                raise
-            out[name]["runtimes"][rt] = {"failed": error_text(err)}
-            continue
-        f["within_budget"], f["budget_reason"] = ctx.within_budget(q)
+    with _timed("final quality, size and peak RSS", run):
+        for c in cands:
+            for rt in run.runtimes if c.onnx is not None else ["torch"]:
+                key = pair_name(rt, c.name)
+                f = figures[key] if key in timed else _judged_pair(c, rt)
+                out[c.name]["runtimes"][rt] = _with_quality(run, ctx, c, rt, f, rss_sample)
     return out
+
+
+def _pairs_to_time(run: Run, cands: list[Candidate]) -> set[str]:
+    """The pairs the final benchmark times: the torch model, the FP32 baseline on every runtime
+    (the ratios and the side-by-side view), and each pair whose step was kept on that runtime.
+    A pair its step was rejected on (over budget there, not measurably faster than its parent,
+    or not loadable) cannot be the pick, so it is not timed again: its verdict has its figures."""
+    from .pick import accepted_on
+    from .runtimes import pair_name
+
+    pairs: set[str] = set()
+    for c in cands:
+        if c.onnx is None:
+            pairs.add(pair_name("torch", c.name))
+            continue
+        pairs |= {pair_name(rt, c.name) for rt in run.runtimes if accepted_on(c, rt)}
+    return pairs
+
+
+def _judged_pair(c: Candidate, runtime: str) -> dict[str, Any]:
+    """The figures of a pair the final benchmark did not time: its verdict on ``runtime``."""
+    verdict = (c.meta.get("runtime_verdicts") or {}).get(runtime) or {}
+    reason = str(verdict.get("reason") or c.reason or "rejected")
+    if reason.startswith("failed: "):
+        return {"failed": reason.removeprefix("failed: ")}
+    f: dict[str, Any] = {
+        "not_timed": f"rejected on {runtime} by its accept/reject test, so never the pick: {reason}"
+    }
+    if verdict.get("timing"):
+        f["judged"] = verdict["timing"]
+    return f
+
+
+def _with_quality(
+    run: Run, ctx: StepContext, c: Candidate, rt: str, f: dict[str, Any], rss_sample: Any
+) -> dict[str, Any]:
+    """``f`` with the pair's quality and budget check, size, and (for a timed pair) peak RSS;
+    ``{"failed": why}`` when the pair failed to load, run or evaluate."""
+    if "failed" in f:
+        return f
+    try:
+        if "not_timed" in f:
+            q = _quality(run, c, rt)  # evaluated by its verdict already: read, not run again
+            f["metric"] = {"name": run.task.metric_name, "value": q.metric}
+            f["fidelity"] = q.fidelity_dict()
+            f["size_bytes"], f["params"] = _size(c), _params(c)
+        else:
+            q = _add_quality_and_memory(run, c, f, rss_sample, rt)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        return {"failed": error_text(err)}
+    f["within_budget"], f["budget_reason"] = ctx.within_budget(q)
+    return f
 
 
 def _baseline_name(figures: dict[str, dict[str, Any]]) -> str:
@@ -983,11 +1109,18 @@ def _input_spec(run: Run) -> dict[str, Any]:
 
 
 class _timed:
-    def __init__(self, what: str) -> None:
-        self.what = what
+    """Logs how long ``what`` took; with ``run``, adds it to the manifest's ``phase_seconds``
+    (summed over repeats: where a run's wall time went)."""
+
+    def __init__(self, what: str, run: Run | None = None) -> None:
+        self.what, self.run = what, run
 
     def __enter__(self) -> None:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
-        log.info("%s: %.1f s", self.what, time.perf_counter() - self.t0)
+        took = time.perf_counter() - self.t0
+        log.info("%s: %.1f s", self.what, took)
+        if self.run is not None:
+            phases = self.run.extra.setdefault("phase_seconds", {})
+            phases[self.what] = round(phases.get(self.what, 0.0) + took, 2)

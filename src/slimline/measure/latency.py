@@ -8,7 +8,7 @@ the per-round values, so a reader can tell a real difference from noise.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -24,7 +24,9 @@ from .runners import Runner, make_runner
 
 __all__ = [
     "SIGN_TEST_ALPHA",
+    "Until",
     "benchmark",
+    "cannot_be_faster",
     "fixed_batch_note",
     "paired_speedup",
     "pool_rounds",
@@ -39,6 +41,9 @@ __all__ = [
 SIGN_TEST_ALPHA = 0.05
 
 _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+
+# After each round: the per-round p50s so far, by name; True stops the benchmark there.
+Until = Callable[[dict[str, list[float]]], bool]
 
 # One model's p50 moving by more than this between rounds of one benchmark is the machine, not
 # the model: seen on a 2-core VM whose batch-1 speed switches between modes 1.55x apart.
@@ -121,6 +126,16 @@ def speed_verdict(
     return "inconclusive", pair
 
 
+def cannot_be_faster(
+    parent_rounds: Sequence[float], cand_rounds: Sequence[float], rounds: int, min_gain: float
+) -> bool:
+    """Whether :func:`speed_verdict` over ``rounds`` rounds must say ``not faster`` whatever the
+    rounds not yet run give: more than half of all ``rounds`` per-round ratios already miss the
+    gain, so their median does too. Stopping then changes no verdict; it only skips rounds."""
+    misses = sum(c / p > 1.0 - min_gain for p, c in zip(parent_rounds, cand_rounds, strict=True))
+    return misses > rounds // 2
+
+
 def round_drift(lat: dict[str, Any]) -> float | None:
     """How far one candidate's per-round p50 moved within a benchmark: slowest / fastest round.
 
@@ -197,6 +212,8 @@ def benchmark(
     desc: str = "benchmark",
     signature: Signature | None = None,
     runtimes: Sequence[str] = ("onnxruntime",),
+    pairs: Collection[str] | None = None,
+    until: Until | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
     interleaved.
@@ -204,11 +221,15 @@ def benchmark(
     With one runtime the results are keyed by candidate name. With several, every ONNX
     candidate runs on each (interleaved in the same rounds) and is keyed by
     :func:`~slimline.runtimes.pair_name`; a pair that runtime cannot load gets ``{"failed":
-    message}`` and the other pairs are measured."""
+    message}`` and the other pairs are measured. ``pairs`` (pair names) limits a benchmark on
+    several runtimes to those pairs. ``until`` may stop it after a whole round (every result then
+    has the rounds run so far)."""
     torch_runs = any(c.onnx is None for c in cands)
     # pinned once for the whole benchmark, so that a torch runner changes nothing per call
     with torch_threads(threads) if torch_runs else nullcontext():
-        return _benchmark(cands, sample, bench, threads, throughput, desc, signature, runtimes)
+        return _benchmark(
+            cands, sample, bench, threads, throughput, desc, signature, runtimes, pairs, until
+        )
 
 
 def _benchmark(
@@ -220,8 +241,10 @@ def _benchmark(
     desc: str,
     signature: Signature | None,
     runtimes: Sequence[str] = ("onnxruntime",),
+    pairs: Collection[str] | None = None,
+    until: Until | None = None,
 ) -> dict[str, dict[str, Any]]:
-    keyed, failed = _runners(cands, threads, signature, runtimes)
+    keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
     if not keyed:
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
@@ -246,6 +269,8 @@ def _benchmark(
                 for b, x in batches.items():
                     tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
                 bar.update(1)
+            if until is not None and until(_round_p50s(names, lat)):
+                break
     results: dict[str, dict[str, Any]] = dict(failed)
     for name, rounds, cpu_rounds, tp in zip(names, lat, cpu, tput, strict=True):
         entry: dict[str, Any] = {
@@ -262,11 +287,23 @@ def _benchmark(
     return results
 
 
+def _round_p50s(names: list[str], lat: list[list[np.ndarray]]) -> dict[str, list[float]]:
+    return {
+        n: [float(np.percentile(r, 50.0)) for r in rounds]
+        for n, rounds in zip(names, lat, strict=True)
+    }
+
+
 def _runners(
-    cands: list[Candidate], threads: int, sig: Signature | None, runtimes: Sequence[str]
+    cands: list[Candidate],
+    threads: int,
+    sig: Signature | None,
+    runtimes: Sequence[str],
+    pairs: Collection[str] | None = None,
 ) -> tuple[list[tuple[str, Runner]], dict[str, dict[str, Any]]]:
-    """(key, runner) per measured pair; with several runtimes, ``{"failed": why}`` per pair a
-    runtime cannot load (with one runtime a load failure raises, as before)."""
+    """(key, runner) per measured pair (only those in ``pairs`` when given); with several
+    runtimes, ``{"failed": why}`` per pair a runtime cannot load (with one runtime a load
+    failure raises, as before)."""
     from ..errors import CandidateError
     from ..runtimes import pair_name
 
@@ -277,6 +314,8 @@ def _runners(
     for c in cands:
         for rt in runtimes if c.onnx is not None else ["torch"]:
             key = pair_name(rt, c.name)
+            if pairs is not None and key not in pairs:
+                continue
             try:
                 keyed.append((key, make_runner(c, threads, sig, rt)))
             except CandidateError as err:
