@@ -41,16 +41,21 @@ def _zoo_recipe(recipe: Any, zoo: str) -> Any:
     return recipe.model_copy(update=update)
 
 
-def _qat_update(recipe: Any, finetune: dict[str, Any]) -> Any:
+def _qat_update(recipe: Any, finetune: dict[str, Any], qat_keys: dict[str, Any]) -> Any:
     from slimline.compress.qat.step import QatConfig
 
     qat = recipe.step_config(QatConfig)
-    new = qat.model_copy(update={"finetune": qat.finetune.model_copy(update=finetune)})
+    ft = qat.finetune.model_copy(update=finetune)
+    new = qat.model_copy(update={"finetune": ft, **qat_keys})
     return recipe.model_copy(update={"steps": [new if s is qat else s for s in recipe.steps]})
 
 
 def _run(
-    steps: int | None, keep: Path, zoo: str | None = None, lr_scale: float | None = None
+    steps: int | None,
+    keep: Path,
+    zoo: str | None = None,
+    lr_scale: float | None = None,
+    min_export_cosine: float | None = None,
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
@@ -61,8 +66,9 @@ def _run(
         recipe = _zoo_recipe(recipe, zoo)
     finetune = {"steps": steps, "lr_scale": lr_scale}
     finetune = {k: v for k, v in finetune.items() if v is not None}
-    if finetune:
-        recipe = _qat_update(recipe, finetune)
+    qat_keys = {"min_export_cosine": min_export_cosine} if min_export_cosine is not None else {}
+    if finetune or qat_keys:
+        recipe = _qat_update(recipe, finetune, qat_keys)
     task = load_task(recipe.task)
     assert task.model is not None
     task.model()  # trained weights come from the example cache; not part of the recipe's time
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--steps", type=int, default=None, help="QAT steps (default: the recipe's)")
     p.add_argument("--lr-scale", type=float, default=None, help="QAT lr_scale (recipe's)")
+    p.add_argument("--min-export-cosine", type=float, default=None, help="the export check's bound")
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
     p.add_argument("--keep-runs", type=Path, default=Path(tempfile.gettempdir()) / "qat-bench")
     p.add_argument("--manifest", type=Path, default=None, help="render this run's manifest")
@@ -167,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.manifest is not None:  # render a finished run's figures again (no new measurement)
         m, wall = json.loads(args.manifest.read_text()), float(args.wall_s or 0.0)
     else:
-        m, wall = _run(args.steps, args.keep_runs, args.zoo, args.lr_scale)
+        m, wall = _run(args.steps, args.keep_runs, args.zoo, args.lr_scale, args.min_export_cosine)
     measured = ["--out", str(args.out)] if args.out else []
     for flag, value in (
         ("--zoo", args.zoo),
         ("--steps", args.steps),
         ("--lr-scale", args.lr_scale),
+        ("--min-export-cosine", args.min_export_cosine),
     ):
         if value is not None:
             measured += [flag, str(value)]

@@ -152,8 +152,8 @@ class QatHooks(DistillHooks):
         self.losses.extend(state["losses"])
 
     def _bn_record(self, steps: int) -> str:
-        window = self.cfg.freeze_bn_on_oscillation
-        rules = [f"freeze after {self.cfg.freeze_bn_after}"]
+        window, after = self.cfg.freeze_bn_on_oscillation, self.cfg.freeze_bn_after
+        rules = [f"freeze after {after}" if after is not None else "no step count"]
         if window is not None:
             rules.append(f"or when the loss oscillates over {window} steps")
         rule = " ".join(rules)
