@@ -44,6 +44,7 @@ from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
+from .qdq_fusable import make_file_fusable
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -320,6 +321,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     try:
         export_module(model, sample, path, cfg.opset)
         folded = fold_constant_quantizers(path)
+        fusable = make_file_fusable(path)
     except ExportError as err:
         where = _node_of_op(model, error_text(err)) or _failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
@@ -328,7 +330,8 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"QDQ export of the fake-quant model failed at {where} (whole model: "
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
-    return path, {**_verify(model, path, sample, cfg, ctx.threads), "int8_weights": folded}
+    check = _verify(model, path, sample, cfg, ctx.threads)
+    return path, {**check, "int8_weights": folded, **fusable}
 
 
 def _verify(
