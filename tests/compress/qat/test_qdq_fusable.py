@@ -60,6 +60,9 @@ def test_element_wise_ops_of_the_export_run_as_integer_kernels(tmp_path: Path) -
 
     counts = make_file_fusable(path)
     assert counts["scalar_qdq_parameters"] > 0 and counts["quantized_scalar_operands"] == 3
+    graph = onnx.load(str(path)).graph
+    used = {i for n in graph.node for i in n.input}
+    assert all(init.name in used for init in graph.initializer)  # replaced ones are dropped
     fused = _optimized_ops(path, tmp_path)
     assert fused["Add"] == fused["Mul"] == 0, fused
     assert fused["QLinearAdd"] == 3 and fused["QLinearMul"] == 2, fused
