@@ -141,6 +141,14 @@ class DistillHooks:
     def on_step(self, step: int, loss: float) -> None:
         """Called after training step ``step`` with its loss."""
 
+    def state(self) -> dict[str, Any]:
+        """What the hooks decided so far (plain numbers, strings and lists), saved with each
+        checkpoint so that a resumed run continues with it."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` from a checkpoint (called before the first resumed step)."""
+
     def feature_taps(
         self, student: Any, teacher: Any, cfg: FinetuneConfig
     ) -> tuple[FeatureTap, FeatureTap] | None:
@@ -441,6 +449,7 @@ def distill(
         start = int(saved["step"])
         result.val_before, result.best_step = saved["val_before"], saved["best_step"]
         result.steps, result.history, result.resumed_from_step = start, saved["history"], start
+        hooks.load_state(saved.get("hooks") or {})
     task_loss = task.loss if task is not None else None
     taps = hooks.feature_taps(student, teacher, cfg)
     try:
@@ -506,6 +515,7 @@ def distill(
                             "running": running,
                             "val_before": result.val_before,
                             "history": result.history,
+                            "hooks": hooks.state(),
                         }
                     )
             if step_i >= cfg.steps:

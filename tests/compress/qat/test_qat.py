@@ -152,7 +152,7 @@ def test_a_killed_qat_run_resumes_inside_the_step(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.resumed_from_step == 2 and result.steps == 6
     rec = hooks.record(result.steps)
-    assert rec["batchnorm_frozen_at"] == 2  # the first step run after the resume re-applies it
+    assert rec["batchnorm_frozen_at"] == 1  # the checkpoint keeps when it froze; re-applied
     assert rec["observers_frozen_at"] == 3
 
 

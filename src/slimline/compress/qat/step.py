@@ -17,6 +17,7 @@ import logging
 import re
 import shutil
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,7 +42,9 @@ from ..finetune import (
 from ..quant.fallback import kernel_report
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
+from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
+from .qdq_fusable import make_file_fusable
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -72,6 +75,12 @@ class QatConfig(StepConfig):
         description="steps after which BatchNorm statistics freeze (0: from the start, the "
         "trained model's statistics as deployed; null: never)",
     )
+    freeze_bn_on_oscillation: int | None = Field(
+        None,
+        ge=MIN_WINDOW,
+        description="window of training steps: BatchNorm statistics also freeze as soon as the "
+        "loss over the last N steps oscillates (goes up and down without going down); null: off",
+    )
     freeze_observers_after: int | None = Field(
         100, ge=0, description="steps after which the ranges freeze (null: never)"
     )
@@ -95,34 +104,78 @@ class QatConfig(StepConfig):
 
 
 class QatHooks(DistillHooks):
-    """Freezes BatchNorm statistics and range observers at their configured steps, and records
-    when (a resumed run re-applies what its checkpointed steps had frozen)."""
+    """Freezes BatchNorm statistics after their configured steps or as soon as the training loss
+    oscillates (whichever comes first), and the range observers after theirs; records when and
+    why. The decisions are saved with each checkpoint, so a resumed run re-applies them."""
 
     def __init__(self, cfg: QatConfig) -> None:
         self.cfg = cfg
         self.bn_frozen_at: int | None = None
+        self.bn_trigger: str | None = None  # "steps" or "oscillation"
         self.observers_frozen_at: int | None = None
+        self.losses: deque[float] = deque(maxlen=cfg.freeze_bn_on_oscillation or MIN_WINDOW)
+        self._applied: set[str] = set()  # what this student has had frozen
 
     def before_forward(self, step: int, student: Any) -> None:
         bn, obs = self.cfg.freeze_bn_after, self.cfg.freeze_observers_after
-        if bn is not None and step > bn and self.bn_frozen_at is None:
-            fq.freeze_bn(student)
-            self.bn_frozen_at = step - 1
-        if obs is not None and step > obs and self.observers_frozen_at is None:
-            fq.freeze_observers(student)
+        if self.bn_frozen_at is None and bn is not None and step > bn:
+            self.bn_frozen_at, self.bn_trigger = step - 1, "steps"
+        if self.observers_frozen_at is None and obs is not None and step > obs:
             self.observers_frozen_at = step - 1
+        if self.bn_frozen_at is not None and "bn" not in self._applied:
+            fq.freeze_bn(student)
+            self._applied.add("bn")
+        if self.observers_frozen_at is not None and "observers" not in self._applied:
+            fq.freeze_observers(student)
+            self._applied.add("observers")
+
+    def on_step(self, step: int, loss: float) -> None:
+        if self.cfg.freeze_bn_on_oscillation is None or self.bn_frozen_at is not None:
+            return
+        self.losses.append(loss)
+        full = len(self.losses) == self.losses.maxlen
+        if full and loss_oscillates(list(self.losses)):
+            self.bn_frozen_at, self.bn_trigger = step, "oscillation"
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "bn_frozen_at": self.bn_frozen_at,
+            "bn_trigger": self.bn_trigger,
+            "observers_frozen_at": self.observers_frozen_at,
+            "losses": list(self.losses),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.bn_frozen_at, self.bn_trigger = state["bn_frozen_at"], state["bn_trigger"]
+        self.observers_frozen_at = state["observers_frozen_at"]
+        self.losses.extend(state["losses"])
+
+    def _bn_record(self, steps: int) -> str:
+        window, after = self.cfg.freeze_bn_on_oscillation, self.cfg.freeze_bn_after
+        rules = [f"freeze after {after}" if after is not None else "no step count"]
+        if window is not None:
+            rules.append(f"or when the loss oscillates over {window} steps")
+        rule = " ".join(rules)
+        if self.bn_frozen_at is None:
+            return f"never frozen during the {steps} steps run ({rule})"
+        why = "the loss oscillated" if self.bn_trigger == "oscillation" else "its step count"
+        return f"frozen after step {self.bn_frozen_at}: {why} ({rule})"
 
     def record(self, steps: int) -> dict[str, Any]:
-        def when(at: int | None, after: int | None) -> str:
-            if at is not None:
-                return f"frozen after step {at} (freeze after {after})"
-            return f"never frozen during the {steps} steps run (freeze after {after})"
-
+        obs, after = self.observers_frozen_at, self.cfg.freeze_observers_after
+        observers = (
+            f"frozen after step {obs} (freeze after {after})"
+            if obs is not None
+            else f"never frozen during the {steps} steps run (freeze after {after})"
+        )
         return {
-            "batchnorm": when(self.bn_frozen_at, self.cfg.freeze_bn_after),
+            "batchnorm": self._bn_record(steps),
             "batchnorm_frozen_at": self.bn_frozen_at,
-            "observers": when(self.observers_frozen_at, self.cfg.freeze_observers_after),
-            "observers_frozen_at": self.observers_frozen_at,
+            "batchnorm_trigger": self.bn_trigger,
+            "observers": observers,
+            "observers_frozen_at": obs,
         }
 
 
@@ -268,6 +321,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     try:
         export_module(model, sample, path, cfg.opset)
         folded = fold_constant_quantizers(path)
+        fusable = make_file_fusable(path)
     except ExportError as err:
         where = _node_of_op(model, error_text(err)) or _failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
@@ -276,7 +330,8 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"QDQ export of the fake-quant model failed at {where} (whole model: "
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
-    return path, {**_verify(model, path, sample, cfg, ctx.threads), "int8_weights": folded}
+    check = _verify(model, path, sample, cfg, ctx.threads)
+    return path, {**check, "int8_weights": folded, **fusable}
 
 
 def _verify(
