@@ -103,7 +103,9 @@ def run_variant(
     stack = find_stack(teacher, base.layers.path if base.layers else None)
     keep = list(spec.get("keep", [0, 3, 4, 5]))
     layer_map = str(spec.get("layer_map", "kept"))
-    update = {k: spec[k] for k in ("steps", "lr", "feature_weight", "dropout") if k in spec}
+    update: dict[str, Any] = {
+        k: spec[k] for k in ("steps", "lr", "feature_weight", "dropout") if k in spec
+    }
     ft = base.finetune.model_copy(update={**update, "patience": 10**6, "progress": False})
     student = drop_layers(private_copy(teacher).eval(), stack.path, keep)
     for p in student.parameters():
