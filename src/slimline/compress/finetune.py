@@ -82,7 +82,20 @@ class FinetuneConfig(Config):
     data: Literal["auto", "train", "calibration"] = Field(
         "auto", description="auto: train_data() if the task has it, else calibration inputs"
     )
+    dropout: bool = Field(
+        True,
+        description="false: the student's nn.Dropout layers are off while it distils (it learns "
+        "the teacher's deterministic outputs, as it will run); restored afterwards",
+    )
     progress: bool = True
+
+    def key_dict(self) -> dict[str, Any]:
+        """Without ``dropout`` while it is on: a step's cache key stays what it was before the
+        option existed (its result did not change)."""
+        data = super().key_dict()
+        if data.get("dropout") is True:
+            data.pop("dropout")
+        return data
 
 
 class TrainCheckpoint(Protocol):
@@ -452,6 +465,7 @@ def distill(
         hooks.load_state(saved.get("hooks") or {})
     task_loss = task.loss if task is not None else None
     taps = hooks.feature_taps(student, teacher, cfg)
+    dropout = {} if cfg.dropout else _dropout_off(student)
     try:
         student.train()
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, disable=not cfg.progress, leave=False)
@@ -526,9 +540,22 @@ def distill(
         result.val_after = best
         return result
     finally:
+        for mod, p in dropout.items():
+            mod.p = p
         if taps is not None:
             for tap in taps:
                 tap.close()
+
+
+def _dropout_off(model: Any) -> dict[Any, float]:
+    """Set every ``nn.Dropout`` of ``model`` to p = 0 (attention implementations that read the
+    module's ``p`` follow); returns the modules' rates, to restore."""
+    import torch.nn as nn
+
+    rates = {m: float(m.p) for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)}
+    for mod in rates:
+        mod.p = 0.0
+    return rates
 
 
 def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Task | None) -> Any:

@@ -323,3 +323,41 @@ def test_a_teacher_in_training_mode_is_only_run_never_changed() -> None:
     assert all(torch.equal(v, state[k]) for k, v in teacher.state_dict().items())
     assert all(p.grad is None for p in teacher.parameters())
     assert all(not m._forward_hooks for m in teacher.modules())
+
+
+class DropNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+class _TrainingOutputs(DistillHooks):
+    """Runs the student twice on one input before every step: equal outputs = no dropout."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.equal: list[bool] = []
+
+    def before_forward(self, step: int, student: Any) -> None:
+        with torch.no_grad():
+            self.equal.append(torch.equal(student(self.x), student(self.x)))
+
+
+def test_dropout_off_while_distilling_and_restored_after() -> None:
+    torch.manual_seed(0)
+    teacher = DropNet().eval()
+    x = torch.from_numpy(next(iter(_batches()()))[0]["x"])
+    runs: dict[bool, list[bool]] = {}
+    for dropout in (True, False):
+        student = copy.deepcopy(teacher)
+        hooks = _TrainingOutputs(x)
+        cfg = FinetuneConfig(steps=4, eval_every=2, lr=1e-2, progress=False, dropout=dropout)
+        distill(student, teacher, _batches(), cfg, output_kind="logits", hooks=hooks)
+        runs[dropout] = hooks.equal
+        assert student.drop.p == 0.5  # the module's own rate is back
+    assert runs[False] == [True] * 4 and runs[True] == [False] * 4
+    assert "dropout" not in FinetuneConfig().key_dict()  # the default keeps old cache keys
+    assert FinetuneConfig(dropout=False).key_dict()["dropout"] is False
