@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_out import publish, reproduce_command, reproduce_footer
+from prune_more_recovery import EVERY_LAYER_DYNAMIC, _quality
 from slimline import StepContext, api
 from slimline.candidate import Candidate
 from slimline.commands import resolve_recipe
@@ -44,19 +45,10 @@ from slimline.compress.finetune import (
 )
 from slimline.compress.pruning.depth import drop_layers, find_stack
 from slimline.compress.pruning.step import PruneConfig
-from slimline.compress.quant.config import QuantizeConfig
 from slimline.module_guard import private_copy
 from slimline.task import Task, load_task
 
-EVERY_LAYER_DYNAMIC = QuantizeConfig(
-    mode="dynamic", per_channel=True, keep_first_last_float=False, mixed_precision=False
-)
 VARIANT_KEYS = {"keep", "steps", "lr", "feature_weight", "layer_map", "dropout", "int8"}
-
-
-def _quality(ctx: StepContext, cand: Candidate) -> dict[str, float]:
-    q = api.evaluate(ctx, cand)
-    return {"metric": q.metric, "cosine": q.cosine_mean}
 
 
 def map_targets(keep: list[int], layer_map: str) -> list[int]:
