@@ -75,6 +75,12 @@ class BenchConfig(Config):
     warmup: int = Field(10, ge=0)
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 32])
     throughput_min_seconds: float = Field(0.15, gt=0.0, description="per batch size per round")
+    throughput_rounds: int = Field(
+        3,
+        ge=1,
+        description="rounds in which throughput is measured, spread evenly over the benchmark "
+        "(every round when rounds is not larger); latency is timed in every round",
+    )
     peak_rss: bool = True
     eval_limit: int | None = Field(None, ge=1, description="cap on evaluation samples")
 

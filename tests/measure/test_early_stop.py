@@ -16,6 +16,7 @@ from slimline.measure.latency import (
     cannot_be_faster,
     speed_verdict,
     summarize_latency,
+    throughput_round_indices,
 )
 from slimline.recipe import BenchConfig
 
@@ -76,3 +77,42 @@ def test_the_benchmark_stops_after_the_round_until_asks_for(tmp_path: Path) -> N
     assert seen == [1, 2]
     assert out["a"]["latency_ms"]["rounds"] == out["b"]["latency_ms"]["rounds"] == 2
     assert len(out["a"]["latency_samples_ms"]) == 80
+
+
+@pytest.mark.parametrize(
+    ("rounds", "wanted", "expected"),
+    [(5, 3, {0, 2, 4}), (5, 1, {0}), (3, 3, {0, 1, 2}), (2, 3, {0, 1}), (6, 2, {0, 5})],
+)
+def test_throughput_rounds_are_spread_from_first_to_last(
+    rounds: int, wanted: int, expected: set[int]
+) -> None:
+    assert throughput_round_indices(rounds, wanted) == expected
+
+
+def test_throughput_is_measured_in_its_rounds_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slimline.measure import latency
+
+    calls: list[int] = []
+    real = latency._throughput
+
+    def counted(runner: object, batch: object, size: int, min_seconds: float) -> float:
+        calls.append(size)
+        return real(runner, batch, size, min_seconds)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(latency, "_throughput", counted)
+    cands = [Candidate("a", "fp32", None, onnx=_identity_model(tmp_path / "a.onnx"))]
+    bench = BenchConfig(
+        rounds=5,
+        runs_per_round=40,
+        warmup=1,
+        batch_sizes=[1, 4],
+        throughput_min_seconds=0.001,
+        throughput_rounds=2,
+    )
+    out = benchmark(cands, {"x": np.ones((4, 4), np.float32)}, bench, 1)
+    assert out["a"]["latency_ms"]["rounds"] == 5  # latency in every round
+    assert set(out["a"]["throughput"]) == {"1", "4"}
+    assert all(v > 0 for v in out["a"]["throughput"].values())
+    assert sorted(calls) == [1, 1, 4, 4]  # 2 rounds x 2 batch sizes, not 5 x 2

@@ -258,6 +258,7 @@ def _benchmark(
     lat: list[list[np.ndarray]] = [[] for _ in runners]
     cpu: list[list[np.ndarray]] = [[] for _ in runners]
     tput: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in runners]
+    tput_rounds = throughput_round_indices(bench.rounds, bench.throughput_rounds)
     steps = bench.rounds * len(runners)
     with tqdm(total=steps, desc=desc, unit="run-set", leave=False, disable=None) as bar:
         for rnd in range(bench.rounds):
@@ -266,7 +267,8 @@ def _benchmark(
                 wall, used = _time_runs(runners[i], one, bench.runs_per_round)
                 lat[i].append(wall)
                 cpu[i].append(used)
-                for b, x in batches.items():
+                sizes_now = batches.items() if rnd in tput_rounds else ()
+                for b, x in sizes_now:
                     tput[i][b].append(_throughput(runners[i], x, b, bench.throughput_min_seconds))
                 bar.update(1)
             if until is not None and until(_round_p50s(names, lat)):
@@ -285,6 +287,16 @@ def _benchmark(
             entry["throughput_not_applicable"] = not_applicable
         results[name] = entry
     return results
+
+
+def throughput_round_indices(rounds: int, wanted: int) -> frozenset[int]:
+    """Which of ``rounds`` rounds also measure throughput: ``wanted`` of them, spread evenly from
+    the first to the last, so that throughput sees the same drift of the machine that latency
+    does. Throughput at batch 8 and 32 takes most of a round's time and is reported, never
+    judged, so fewer rounds of it cost no decision."""
+    if wanted >= rounds:
+        return frozenset(range(rounds))
+    return frozenset(round(float(x)) for x in np.linspace(0, rounds - 1, wanted))
 
 
 def _round_p50s(names: list[str], lat: list[list[np.ndarray]]) -> dict[str, list[float]]:
