@@ -24,7 +24,9 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import Field, SecretStr
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from .. import __version__
 from ..recipe import Config
@@ -221,7 +223,7 @@ def build_app(
         finally:
             await state.stop()
 
-    app = FastAPI(
+    app = _ServeApp(
         title="slimline inference server",
         version=__version__,
         description="Open Inference Protocol (KServe v2) with dynamic batching.",
@@ -279,7 +281,7 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
-def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
     async def metadata(name: str, version: str | None = None) -> Response:
         model, problem = _lookup(state, name, version)
         return problem or _json(model_metadata(model))  # type: ignore[arg-type]
@@ -303,11 +305,12 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return await model_ready(name, version)
 
     async def infer(request: Request, name: str) -> Response:
-        return await _infer(state, request, name, None)
+        return await _infer(state, _Call(request.scope, request.receive), name, None)
 
     async def infer_version(request: Request, name: str, version: str) -> Response:
-        return await _infer(state, request, name, version)
+        return await _infer(state, _Call(request.scope, request.receive), name, version)
 
+    endpoint = app.infer_endpoint = InferEndpoint(state)
     errors: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody}}
     infer_errors: dict[int | str, dict[str, Any]] = {
         c: {"model": ErrorBody} for c in (400, 404, 413, 415, 503, 504)
@@ -329,18 +332,10 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
             openapi_extra={"requestBody": _INFER_BODY},
             tags=["model"],
         )(infer_fn)
-        # The hot path: the same handler as a plain Starlette route, matched before the
-        # documented FastAPI route above, so requests skip FastAPI's per-request dependency
-        # solving and validation (a large share of the server's CPU per request).
-        app.router.routes.insert(0, Route(prefix + "/infer", _fast_infer(state), methods=["POST"]))
-
-
-def _fast_infer(state: ServerState) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        params = request.path_params
-        return await _infer(state, request, params["name"], params.get("version"))
-
-    return endpoint
+        # The same handler as a raw ASGI route, matched before the documented FastAPI route
+        # above, so requests skip FastAPI's per-request dependency solving and validation. Most
+        # infer requests do not even come this way: _ServeApp hands them to it directly.
+        app.router.routes.insert(0, Route(prefix + "/infer", endpoint, methods=["POST"]))
 
 
 def _lookup(
@@ -358,8 +353,111 @@ def _lookup(
     return model, None
 
 
+# -- the infer hot path ------------------------------------------------------------------
+class _ServeApp(FastAPI):
+    """FastAPI, with POSTs to an infer path handed straight to :class:`InferEndpoint`.
+
+    Every other request, and infer requests when a root path is set or FastAPI's own
+    OpenTelemetry instrumentation is configured, takes FastAPI's usual way (middleware stack,
+    router), where the same endpoint is the route. Skipping that way saves the event loop
+    tens of microseconds per request (``bench/serve_cpu_per_request.py``).
+    """
+
+    infer_endpoint: InferEndpoint
+    _telemetry_seen: tuple[float, bool] = (-1.0, False)  # (when checked, FastAPI telemetry on)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not self.root_path:
+            target = infer_target(scope["path"])
+            if target is not None and not scope.get("root_path") and not self._telemetry_on():
+                await self.infer_endpoint.direct(scope, receive, send, *target)
+                return
+        await super().__call__(scope, receive, send)
+
+    def _telemetry_on(self) -> bool:
+        """Whether FastAPI's own OpenTelemetry instrumentation is configured, looked up at most
+        once a second: the look-up reads environment variables, about 10 µs per request."""
+        now = time.monotonic()
+        checked, on = self._telemetry_seen
+        if now - checked >= 1.0:
+            telemetry = getattr(self, "_native_telemetry", None)  # FastAPI >= 0.160
+            on = telemetry is not None and bool(telemetry.enabled())
+            self._telemetry_seen = (now, on)
+        return on
+
+
+def infer_target(path: str) -> tuple[str, str | None] | None:
+    """``(name, version)`` of a path the infer routes match (``/v2/models/{name}/infer``,
+    ``/v2/models/{name}/versions/{version}/infer``), else None."""
+    if not (path.startswith("/v2/models/") and path.endswith("/infer")):
+        return None
+    parts = path[len("/v2/models/") : -len("/infer")].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+class InferEndpoint:
+    """The infer route as an ASGI app (the router calls it with ``path_params`` in the scope)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        token = state.settings.api_token
+        self.token = None if token is None else token.get_secret_value().encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        params = scope["path_params"]
+        await self.answer(scope, receive, send, params["name"], params.get("version"))
+
+    async def direct(
+        self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+    ) -> None:
+        """Called before any middleware: checks the API token as :class:`BearerAuth` does."""
+        if self.token is not None and not _token_matches(scope, self.token):
+            await _send_401(send)
+            return
+        await self.answer(scope, receive, send, name, version)
+
+    async def answer(
+        self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+    ) -> None:
+        response = await _infer(self.state, _Call(scope, receive), name, version)
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": response.raw_headers})  # fmt: skip
+        await send({"type": "http.response.body", "body": response.body})
+
+
+_CALL_HEADERS = {
+    b"content-type": 0,
+    b"content-length": 1,
+    b"content-encoding": 2,
+    HEADER_LENGTH.lower().encode(): 3,
+    TIMEOUT_HEADER.lower().encode(): 4,
+}
+
+
+class _Call:
+    """What the infer path reads of a request: five headers (the first of each, as Starlette's
+    ``Headers.get`` gives them), read in one pass over the scope, and the body's messages."""
+
+    __slots__ = ("content_encoding", "content_length", "content_type", "header_length",
+                 "receive", "timeout")  # fmt: skip
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        found: list[str | None] = [None] * len(_CALL_HEADERS)
+        for key, value in scope["headers"]:
+            i = _CALL_HEADERS.get(key)
+            if i is not None and found[i] is None:
+                found[i] = value.decode("latin-1")
+        self.content_type, self.content_length, self.content_encoding = found[:3]
+        self.header_length, self.timeout = found[3:]
+        self.receive = receive
+
+
 # -- inference ----------------------------------------------------------------------------
-async def _infer(state: ServerState, request: Request, name: str, version: str | None) -> Response:
+async def _infer(state: ServerState, call: _Call, name: str, version: str | None) -> Response:
     model, problem = _lookup(state, name, version)
     if problem is not None:
         return problem
@@ -369,7 +467,7 @@ async def _infer(state: ServerState, request: Request, name: str, version: str |
     series.inflight.inc()
     outcome = "error"
     try:
-        response, outcome = await _answer(state, model, request)
+        response, outcome = await _answer(state, model, call)
         if outcome == "ok":
             series.latency.observe(time.perf_counter() - started)
         return response
@@ -378,10 +476,10 @@ async def _infer(state: ServerState, request: Request, name: str, version: str |
         series.requests[outcome].inc()
 
 
-async def _answer(state: ServerState, model: ServedModel, request: Request) -> tuple[Response, str]:
+async def _answer(state: ServerState, model: ServedModel, call: _Call) -> tuple[Response, str]:
     """The response and its outcome label; every failure mode maps to one status here."""
     try:
-        return await _run_request(state, model, request), "ok"
+        return await _run_request(state, model, call), "ok"
     except ProtocolError as err:
         return _error(str(err), err.status), "bad_request"
     except InvalidRequest as err:
@@ -407,13 +505,13 @@ async def _answer(state: ServerState, model: ServedModel, request: Request) -> t
         )
 
 
-async def _run_request(state: ServerState, model: ServedModel, request: Request) -> Response:
+async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> Response:
     settings = state.settings
     batcher = state.batchers[model.name]
     batcher.check_admission()  # under overload, refuse before reading and decoding the body
-    timeout_s = _header_timeout(request.headers.get(TIMEOUT_HEADER))
-    body = await _read_body(request, settings.max_body_bytes)
-    header_length = request.headers.get(HEADER_LENGTH)
+    timeout_s = _header_timeout(call.timeout)
+    body = await _read_body(call, settings.max_body_bytes)
+    header_length = call.header_length
     if len(body) > OFFLOAD_BYTES:  # keep the event loop (and the deadline timers) responsive
         req = await _in_pool(state, lambda b: parse_infer_request(b, header_length), body)
     else:
@@ -467,25 +565,33 @@ def _header_timeout(value: str | None) -> float | None:
     return ms / 1000.0
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+async def _read_body(call: _Call, limit: int) -> bytes:
+    ctype = (call.content_type or "").split(";")[0].strip().lower()
     if ctype not in _ACCEPTED_TYPES:
         raise ProtocolError(
             f"content type {ctype!r} is not accepted; send application/json (or "
             f"application/octet-stream with {HEADER_LENGTH})",
             415,
         )
-    declared = request.headers.get("content-length")
+    declared = call.content_length
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProtocolError(f"the body is {declared} bytes, above the {limit}-byte limit", 413)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:
+        message = await call.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] != "http.request":
+            continue
+        more = message.get("more_body", False)
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise ProtocolError(f"the body exceeds the {limit}-byte limit; send less", 413)
         chunks.append(chunk)
-    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)
+    return decode_body(b"".join(chunks), call.content_encoding, limit)
 
 
 # -- auth ---------------------------------------------------------------------------------
@@ -502,15 +608,19 @@ class BearerAuth:
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any
     ) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = b""
-            for key, value in scope["headers"]:
-                if key == b"authorization" and value[:7].lower() == b"bearer ":
-                    given = value[7:].strip()
-            if not hmac.compare_digest(given, self.token):
-                await _send_401(send)
-                return
+        open_path = scope["type"] != "http" or scope["path"] in OPEN_PATHS
+        if not open_path and not _token_matches(scope, self.token):
+            await _send_401(send)
+            return
         await self.app(scope, receive, send)
+
+
+def _token_matches(scope: Scope, token: bytes) -> bool:
+    given = b""
+    for key, value in scope["headers"]:
+        if key == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:].strip()
+    return hmac.compare_digest(given, token)
 
 
 async def _send_401(send: Any) -> None:

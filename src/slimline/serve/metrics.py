@@ -78,27 +78,49 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
+class Level:
+    """A level changed on the event loop and read by its gauge when scraped: a plain int, so a
+    change costs no lock (a gauge's ``inc``/``set`` takes one, per request)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def dec(self) -> None:
+        self.value -= 1
+
+
 class ModelObserver:
     """One model's series: the batcher's observer (queue depth, batch sizes, queue/compute
     time) and the request-level children, looked up once rather than per request."""
 
     def __init__(self, metrics: ServeMetrics, model: str) -> None:
-        self.inflight = metrics.inflight.labels(model)
+        self.inflight = _gauged(metrics.inflight, model)
         self.latency = metrics.latency.labels(model)
         self.requests = {o: metrics.requests.labels(model, o) for o in OUTCOMES}
-        self._depth = metrics.depth.labels(model)
+        self._depth = _gauged(metrics.depth, model)
         self._batch = metrics.batch.labels(model)
         self._queue = metrics.queue.labels(model)
         self._compute = metrics.compute.labels(model)
 
     def queue_depth(self, depth: int) -> None:
-        self._depth.set(depth)
+        self._depth.value = depth
 
     def batch_done(self, rows: int, queue_s: list[float], compute_s: float) -> None:
         self._batch.observe(rows)
         self._compute.observe(compute_s)
         for q in queue_s:
             self._queue.observe(q)
+
+
+def _gauged(gauge: Gauge, model: str) -> Level:
+    level = Level()
+    gauge.labels(model).set_function(lambda: level.value)
+    return level
 
 
 def _batch_buckets(max_batch_size: int) -> tuple[float, ...]:

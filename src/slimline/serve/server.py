@@ -8,6 +8,7 @@ requests; the lifespan shutdown drains each batcher's queue), then exit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -93,10 +94,22 @@ def serve_forever(models: list[ServedModel], settings: ServeSettings) -> None:
     """Serve in the foreground until SIGTERM or SIGINT; prints the URL when listening."""
     sock = bind_socket(settings.host, settings.port)
     server = _server(models, settings)
+    _freeze_start_up_objects()
     print(READY_LINE + _url(sock), flush=True)
     server.run(sockets=[sock])
     if server.state.warmup_error:
         raise ServeError(server.state.warmup_error)
+
+
+def _freeze_start_up_objects() -> None:
+    """Move every object alive now (modules, models, the app) out of the garbage collector's
+    generations, as :func:`gc.freeze` is meant for. A full collection then walks only what was
+    made since: under load, full collections of the whole heap cost about 30 ms of the event
+    loop each, a fifth of its CPU per request (``bench/serve_cpu_per_request.py``). Cycles made
+    after start-up are still collected; the frozen objects live as long as the process anyway.
+    Only the foreground server does this: it owns its process."""
+    gc.collect()
+    gc.freeze()
 
 
 @contextmanager
