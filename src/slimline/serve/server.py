@@ -30,6 +30,7 @@ from ..childproc import ChildOutput
 from ..errors import ServeError
 from .app import ServerState, ServeSettings, build_app
 from .model import ServedModel
+from .transport import http_protocol
 
 __all__ = ["bind_socket", "run_in_subprocess", "run_in_thread", "serve_forever"]
 
@@ -81,6 +82,7 @@ def _server(models: list[ServedModel], settings: ServeSettings) -> _Server:
     app = build_app(models, settings)
     config = uvicorn.Config(
         app,
+        http=http_protocol(),  # a response leaves in one socket write
         lifespan="on",
         log_level="warning",
         access_log=False,
