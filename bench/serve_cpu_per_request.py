@@ -212,7 +212,7 @@ def measure(a: argparse.Namespace, onnx_path: Path) -> dict[str, Any]:
     flags = ["--threads", "2", "--instances", "1", "--max-batch-size", "64",
              "--max-queue-delay-ms", "2", "--max-queue-size", "512", "--timeout-ms", "60000",
              "--runtime", a.runtime]  # fmt: skip
-    sides = {"this tree": SRC} | ({"compared": Path(a.compare_src)} if a.compare_src else {})
+    sides = {"this tree": SRC} | ({a.compare_name: Path(a.compare_src)} if a.compare_src else {})
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     with ExitStack() as stack:
         servers = {
@@ -285,6 +285,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--app-requests", type=int, default=25600)
     ap.add_argument("--compare-src", default=None, help="a second source tree to measure")
+    ap.add_argument("--compare-name", default="compared", help="its name in the table")
     ap.add_argument("--client-worker", metavar="URL", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--app-worker", metavar="ONNX", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engine-worker", metavar="ONNX", default=None, help=argparse.SUPPRESS)
@@ -325,7 +326,8 @@ def run(a: argparse.Namespace) -> None:
         f"({note}).\n\n"
         f"{table(results)}\n\n"
         "Reproduce: `nice -n 10 .venv/bin/python bench/serve_cpu_per_request.py"
-        f"{'' if a.runtime == 'openvino' else ' --runtime ' + a.runtime}`\n\n"
+        f"{'' if a.runtime == 'openvino' else ' --runtime ' + a.runtime}"
+        f"{f' --compare-src {a.compare_src} --compare-name {a.compare_name!r}' if a.compare_src else ''}`\n\n"
         f"{conditions()}\n"
     )
     write_results(md)

@@ -244,7 +244,7 @@ class DynamicBatcher:
     def _shape_key(self, inputs: Tensors) -> tuple[int, Hashable]:
         if not inputs:
             raise InvalidRequest(f"model {self.name}: a request needs at least one input")
-        key = tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(inputs.items()))
+        key = tuple((k, v.dtype, v.shape[1:]) for k, v in sorted(inputs.items()))
         if not self.stack:
             return 1, key
         leading = {v.shape[0] if v.ndim else -1 for v in inputs.values()}
