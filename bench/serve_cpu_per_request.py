@@ -209,7 +209,7 @@ def measure(a: argparse.Namespace, onnx_path: Path) -> dict[str, Any]:
 
     from slimline.serve import run_in_subprocess
 
-    flags = ["--threads", "2", "--instances", "1", "--max-batch-size", "64",
+    flags = ["--threads", str(a.threads), "--instances", str(a.instances), "--max-batch-size", "64",
              "--max-queue-delay-ms", "2", "--max-queue-size", "512", "--timeout-ms", "60000",
              "--runtime", a.runtime]  # fmt: skip
     sides = {"this tree": SRC} | ({a.compare_name: Path(a.compare_src)} if a.compare_src else {})
@@ -283,6 +283,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--instances", type=int, default=1, help="server instances")
+    ap.add_argument("--threads", type=int, default=2, help="server threads per instance")
     ap.add_argument("--app-requests", type=int, default=25600)
     ap.add_argument("--compare-src", default=None, help="a second source tree to measure")
     ap.add_argument("--compare-name", default="compared", help="its name in the table")
@@ -315,7 +317,8 @@ def run(a: argparse.Namespace) -> None:
     md = (
         f"## CPU per request, mnist on {a.runtime}\n\n"
         "Single-row binary-tensor infers, closed loop, concurrency "
-        f"{a.concurrency}; server 1 instance x 2 threads, max batch 64, max_queue_delay 2 ms. "
+        f"{a.concurrency}; server {a.instances} instance(s) x {a.threads} thread(s), max batch 64, "
+        "max_queue_delay 2 ms. "
         f"{a.rounds} rounds of {a.seconds:g} s per side (after 1 s of warm-up), medians; per "
         "round the event-loop figure is listed. CPU seconds (user + system) divided by the "
         "requests answered (the inference columns: per row). App alone: the same app driven "
@@ -327,6 +330,8 @@ def run(a: argparse.Namespace) -> None:
         f"{table(results)}\n\n"
         "Reproduce: `nice -n 10 .venv/bin/python bench/serve_cpu_per_request.py"
         f"{'' if a.runtime == 'openvino' else ' --runtime ' + a.runtime}"
+        f"{'' if (a.instances, a.threads) == (1, 2) else f' --instances {a.instances} --threads {a.threads}'}"
+        f"{'' if a.concurrency == 128 else f' --concurrency {a.concurrency}'}"
         f"{f' --compare-src {a.compare_src} --compare-name {a.compare_name!r}' if a.compare_src else ''}`\n\n"
         f"{conditions()}\n"
     )
