@@ -40,6 +40,7 @@ from ..finetune import (
     to_tensors,
 )
 from ..quant.fallback import kernel_report
+from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
 from .oscillation import MIN_WINDOW, loss_oscillates
@@ -322,6 +323,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
         export_module(model, sample, path, cfg.opset)
         folded = fold_constant_quantizers(path)
         fusable = make_file_fusable(path)
+        float_layers = float_inputs_file(path)  # e.g. a ConvTranspose QAT leaves in float
     except ExportError as err:
         where = _node_of_op(model, error_text(err)) or _failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
@@ -331,7 +333,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
     check = _verify(model, path, sample, cfg, ctx.threads)
-    return path, {**check, "int8_weights": folded, **fusable}
+    return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
 
 
 def _verify(
@@ -397,7 +399,7 @@ def run_qat(
 @step(
     QatConfig,
     contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
-    version=1,
+    version=2,  # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear
     reads=("target", "budget", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
