@@ -123,3 +123,27 @@ def test_a_single_channel_float_conv_reads_the_unquantized_tensor(tmp_path: Path
     conv = next(n for n in model.graph.node if n.op_type == "Conv")
     assert conv.input[0] == "x"
     assert not _weight_dequantized_at_load(model, tmp_path)
+
+
+def test_compute_ops_ptq_quantizes_around_compute_nodes_only(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    prepared = prepare(cnn_onnx, tmp_path, cnn_inputs(0, 1))
+    calib = calibrate(
+        prepared.path, list(batches(cnn_inputs, 2, 16)), tmp_path, samples=32, methods={"minmax"}
+    )
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
+    rr = detect_cpu().u8s8_saturates
+    out = {}
+    for ops in ("all", "compute"):
+        spec = QuantSpec("static", reduce_range=rr, ops=ops)  # type: ignore[arg-type]
+        q = quantize_model(prepared.path, tmp_path / f"{ops}.onnx", spec, [], calib.caches)
+        graph = onnx.load(str(q)).graph
+        producer = {o: n for n in graph.node for o in n.output}
+        out[ops] = {
+            producer[n.input[0]].op_type
+            for n in graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] in producer
+        }
+        assert kernel_report(q)["int8_kernels"] == len(plan.int8_nodes)
+    assert "Add" in out["all"] and "Add" not in out["compute"]

@@ -39,6 +39,7 @@ from ..finetune import (
     resolve_data,
     to_tensors,
 )
+from ..quant.config import QuantOps
 from ..quant.fallback import kernel_report
 from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
@@ -92,6 +93,12 @@ class QatConfig(StepConfig):
         True, description="also build full and mixed-precision PTQ of the same format to compare"
     )
     opset: int = Field(17, ge=13, le=21, description="per-channel QDQ needs opset 13 or later")
+    quantize_ops: QuantOps = Field(
+        "all",
+        description="fake quantization at every op quantize's QDQ model quantizes (all), or "
+        "around the compute layers only (compute: element-wise ops in float); the PTQ "
+        "comparison uses the same",
+    )
     progress: bool = True
 
     @field_validator("finetune", mode="before")
@@ -211,7 +218,7 @@ def _frozen(module: Any) -> Any:
 
 def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
     """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
-    fmt = fq.format_for(detect_cpu())
+    fmt = fq.format_for(detect_cpu(), cfg.quantize_ops)
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
         ctx.warn(note)

@@ -105,6 +105,7 @@ def candidate_specs(cfg: QuantizeConfig, prepared: Prepared, cpu: CpuInt8) -> li
             weight_symmetric=cfg.weight_symmetric,
             percentile=cfg.percentile,
             reduce_range=reduce_range,
+            ops=cfg.quantize_ops,
         )
         specs.append(replace(base, calibration="minmax"))
         if i == 0:

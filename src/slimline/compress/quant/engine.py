@@ -11,7 +11,7 @@ from ...errors import StepError
 from ...record import atomic_write_bytes
 from .config import QuantSpec
 from .float_inputs import float_inputs_file
-from .prepare import QDQ_MIN_OPSET, default_opset, quiet
+from .prepare import COMPUTE_OPS, QDQ_MIN_OPSET, default_opset, quiet
 
 __all__ = ["DYNAMIC_OP_TYPES", "EMBEDDING_OP_TYPES", "quantize_model"]
 
@@ -98,6 +98,7 @@ def _static(
         activation_type=_qtype(spec.activation_type),
         weight_type=_qtype(spec.weight_type),
         nodes_to_exclude=list(float_nodes),
+        op_types_to_quantize=list(COMPUTE_OPS) if spec.ops == "compute" else None,
         calibrate_method=method,
         reduce_range=spec.reduce_range,
         extra_options=_extra(spec),
