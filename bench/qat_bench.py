@@ -57,6 +57,7 @@ def _run(
     lr_scale: float | None = None,
     min_export_cosine: float | None = None,
     quantize_ops: str | None = None,
+    freeze_observers_after: int | None = None,
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
@@ -69,7 +70,11 @@ def _run(
     finetune = {k: v for k, v in finetune.items() if v is not None}
     qat_keys: dict[str, Any] = {
         k: v
-        for k, v in (("min_export_cosine", min_export_cosine), ("quantize_ops", quantize_ops))
+        for k, v in (
+            ("min_export_cosine", min_export_cosine),
+            ("quantize_ops", quantize_ops),
+            ("freeze_observers_after", freeze_observers_after),
+        )
         if v is not None
     }
     if finetune or qat_keys:
@@ -176,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="QAT's quantize_ops (and its PTQ comparison's): all ops, or the compute ops only",
     )
+    p.add_argument(
+        "--freeze-observers-after",
+        type=int,
+        default=None,
+        help="QAT steps before the ranges freeze (0: the calibrated ranges throughout)",
+    )
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
     p.add_argument("--keep-runs", type=Path, default=Path(tempfile.gettempdir()) / "qat-bench")
     p.add_argument("--manifest", type=Path, default=None, help="render this run's manifest")
@@ -192,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             args.lr_scale,
             args.min_export_cosine,
             args.quantize_ops,
+            args.freeze_observers_after,
         )
     measured = ["--out", str(args.out)] if args.out else []
     for flag, value in (
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         ("--lr-scale", args.lr_scale),
         ("--min-export-cosine", args.min_export_cosine),
         ("--quantize-ops", args.quantize_ops),
+        ("--freeze-observers-after", args.freeze_observers_after),
     ):
         if value is not None:
             measured += [flag, str(value)]
