@@ -56,6 +56,8 @@ def _run(
     zoo: str | None = None,
     lr_scale: float | None = None,
     min_export_cosine: float | None = None,
+    quantize_ops: str | None = None,
+    freeze_observers_after: int | None = None,
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
@@ -66,7 +68,15 @@ def _run(
         recipe = _zoo_recipe(recipe, zoo)
     finetune = {"steps": steps, "lr_scale": lr_scale}
     finetune = {k: v for k, v in finetune.items() if v is not None}
-    qat_keys = {"min_export_cosine": min_export_cosine} if min_export_cosine is not None else {}
+    qat_keys: dict[str, Any] = {
+        k: v
+        for k, v in (
+            ("min_export_cosine", min_export_cosine),
+            ("quantize_ops", quantize_ops),
+            ("freeze_observers_after", freeze_observers_after),
+        )
+        if v is not None
+    }
     if finetune or qat_keys:
         recipe = _qat_update(recipe, finetune, qat_keys)
     task = load_task(recipe.task)
@@ -165,6 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="QAT steps (default: the recipe's)")
     p.add_argument("--lr-scale", type=float, default=None, help="QAT lr_scale (recipe's)")
     p.add_argument("--min-export-cosine", type=float, default=None, help="the export check's bound")
+    p.add_argument(
+        "--quantize-ops",
+        choices=["all", "compute"],
+        default=None,
+        help="QAT's quantize_ops (and its PTQ comparison's): all ops, or the compute ops only",
+    )
+    p.add_argument(
+        "--freeze-observers-after",
+        type=int,
+        default=None,
+        help="QAT steps before the ranges freeze (0: the calibrated ranges throughout)",
+    )
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
     p.add_argument("--keep-runs", type=Path, default=Path(tempfile.gettempdir()) / "qat-bench")
     p.add_argument("--manifest", type=Path, default=None, help="render this run's manifest")
@@ -174,13 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.manifest is not None:  # render a finished run's figures again (no new measurement)
         m, wall = json.loads(args.manifest.read_text()), float(args.wall_s or 0.0)
     else:
-        m, wall = _run(args.steps, args.keep_runs, args.zoo, args.lr_scale, args.min_export_cosine)
+        m, wall = _run(
+            args.steps,
+            args.keep_runs,
+            args.zoo,
+            args.lr_scale,
+            args.min_export_cosine,
+            args.quantize_ops,
+            args.freeze_observers_after,
+        )
     measured = ["--out", str(args.out)] if args.out else []
     for flag, value in (
         ("--zoo", args.zoo),
         ("--steps", args.steps),
         ("--lr-scale", args.lr_scale),
         ("--min-export-cosine", args.min_export_cosine),
+        ("--quantize-ops", args.quantize_ops),
+        ("--freeze-observers-after", args.freeze_observers_after),
     ):
         if value is not None:
             measured += [flag, str(value)]

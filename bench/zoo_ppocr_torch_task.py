@@ -40,7 +40,7 @@ OUTPUT_KIND = "other"
 LEARNING_RATE = 1e-3  # QAT trains at its lr_scale of this
 
 SIDE, BATCH, THRESHOLD = 160, 4, 0.3
-TRAIN_PAGES, CALIB_PAGES, EVAL_PAGES = 48, 16, 8
+TRAIN_PAGES, CALIB_PAGES, EVAL_PAGES = 192, 16, 8
 
 
 def _package_file(name: str) -> Path:

@@ -116,7 +116,16 @@ def test_auto_candidates_follow_the_model_and_the_first_last_rule(tmp_path: Path
     assert [(s.label, p.tag) for s, p in cnn_tries] == [
         ("static QDQ U8S8 per-channel minmax", ""),
         ("static QDQ U8S8 per-channel percentile 99.99", ""),
+        ("static QDQ U8S8 per-channel compute-ops minmax", ""),
         ("static QDQ U8S8 per-channel minmax", "-edges-int8"),
+    ]
+    # a placement set in the recipe is the only one tried
+    compute = QuantizeConfig(quantize_ops="compute")
+    plan = resolve_plan(cnn.compute_nodes, {}, True)
+    assert [s.label for s, _ in candidates(compute, cnn, plan, VNNI)] == [
+        "static QDQ U8S8 per-channel compute-ops minmax",
+        "static QDQ U8S8 per-channel compute-ops percentile 99.99",
+        "static QDQ U8S8 per-channel compute-ops minmax",
     ]
 
 

@@ -38,7 +38,7 @@ def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
 
 
 def ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRows:
-    """Full static INT8 (every compute node, MinMax calibration, the QAT format) of ``cand``'s
+    """Full static INT8 (every compute node, MinMax calibration, the QAT format and op placement) of ``cand``'s
     float graph, and mixed precision from it when it misses the budget. A failure here costs the
     comparison, never the QAT candidate."""
     try:
@@ -73,7 +73,9 @@ def _ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRow
     s = Search(ctx, qcfg, prepared, calib.caches, ctx.workdir / "ptq", lambda: _eval_inputs(ctx))
     s.out_dir.mkdir(parents=True, exist_ok=True)
     plan = resolve_plan(prepared.compute_nodes, {}, False)
-    spec = QuantSpec(mode="static", calibration="minmax", reduce_range=fmt.reduce_range)
+    spec = QuantSpec(
+        mode="static", calibration="minmax", reduce_range=fmt.reduce_range, ops=fmt.ops
+    )
     full = s.judge(s.build(spec, plan, "-full"))
     rows = PtqRows(full=full)
     if full.failure is None and not full.budget_ok and qcfg.mixed_precision:

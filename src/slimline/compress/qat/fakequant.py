@@ -43,6 +43,7 @@ class FakeQuantFormat:
     weight_type: Literal["int8"] = "int8"
     reduce_range: bool = False  # 7-bit weights: no VNNI on this x86 CPU
     cpu_kind: str = ""
+    ops: Literal["all", "compute"] = "all"  # where activations are fake-quantized (QuantOps)
 
     @property
     def weight_range(self) -> tuple[int, int]:
@@ -51,21 +52,24 @@ class FakeQuantFormat:
     @property
     def label(self) -> str:
         rr = " reduce-range" if self.reduce_range else ""
-        return f"QAT QDQ U8S8 per-channel{rr}"
+        ops = " compute-ops" if self.ops == "compute" else ""
+        return f"QAT QDQ U8S8 per-channel{rr}{ops}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "weight_range": list(self.weight_range), "label": self.label}
 
 
-def format_for(cpu: CpuInt8) -> FakeQuantFormat:
+def format_for(cpu: CpuInt8, ops: Literal["all", "compute"] = "all") -> FakeQuantFormat:
     """The format ``quantize`` tries first on ``cpu`` (its default settings): U8S8 per-channel,
     with 7-bit weights where U8S8 sums can saturate (x86 without VNNI). U8U8, its other candidate
-    there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format."""
+    there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format.
+    ``ops``: fake quantization at every op ``quantize_ops: all`` quantizes, or around the compute
+    layers only (``compute``)."""
     from ..quant.auto import cpu_formats
     from ..quant.config import QuantizeConfig
 
     _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]
-    return FakeQuantFormat(reduce_range=reduce_range, cpu_kind=cpu.kind)
+    return FakeQuantFormat(reduce_range=reduce_range, cpu_kind=cpu.kind, ops=ops)
 
 
 @contextlib.contextmanager
@@ -105,11 +109,44 @@ def _qconfig(fmt: FakeQuantFormat) -> Any:
     return QConfig(activation=act, weight=weight)  # type: ignore[no-untyped-call]
 
 
+def _qconfig_mapping(fmt: FakeQuantFormat) -> Any:
+    """Every op (``all``), or the compute layers only (``compute``): convolutions and linear
+    layers with the BatchNorm and ReLU that fuse into them (fusion needs one qconfig for all the
+    modules it fuses); the element-wise ops between them stay float, as in ONNX Runtime's QDQ
+    model with ``op_types_to_quantize`` the compute ops."""
+    import torch
+    from torch.ao.quantization import QConfigMapping
+
+    qconfig = _qconfig(fmt)
+    if fmt.ops == "all":
+        return QConfigMapping().set_global(qconfig)
+    mapping = QConfigMapping()
+    for kind in _compute_types(torch):
+        mapping = mapping.set_object_type(kind, qconfig)
+    return mapping
+
+
+def _compute_types(torch: Any) -> tuple[Any, ...]:
+    nn = torch.nn
+    return (
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.Linear,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.ReLU,
+        nn.functional.relu,
+        torch.relu,
+    )
+
+
 def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
     """A fake-quant copy of ``model`` (an FX ``GraphModule`` in training mode); ``model`` is
     left as it was. Fake quantization starts disabled: :func:`calibrate` sets the ranges first."""
     import torch
-    from torch.ao.quantization import QConfigMapping, disable_fake_quant
+    from torch.ao.quantization import disable_fake_quant
     from torch.ao.quantization.backend_config import get_native_backend_config
     from torch.ao.quantization.quantize_fx import prepare_qat_fx
 
@@ -117,7 +154,7 @@ def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
     with _quiet():
         prepared = prepare_qat_fx(
             student,
-            QConfigMapping().set_global(_qconfig(fmt)),
+            _qconfig_mapping(fmt),
             tuple(example.values()),
             backend_config=get_native_backend_config(),
         )

@@ -54,8 +54,10 @@ def qat_fallback(
     from ...cpu import detect as detect_cpu
 
     try:
-        rows = ptq_rows(ctx, cand, format_for(detect_cpu()))
-        qat = run_qat(QatConfig(), cand, ctx, rows)
+        # QAT simulates the op placement PTQ used
+        qat_cfg = QatConfig().model_copy(update={"quantize_ops": cfg.quantize_ops})
+        rows = ptq_rows(ctx, cand, format_for(detect_cpu(), qat_cfg.quantize_ops))
+        qat = run_qat(qat_cfg, cand, ctx, rows)
     except Exception as err:
         if is_user_error(err):
             raise

@@ -39,7 +39,9 @@ from ..finetune import (
     resolve_data,
     to_tensors,
 )
+from ..quant.config import QuantOps
 from ..quant.fallback import kernel_report
+from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
 from .oscillation import MIN_WINDOW, loss_oscillates
@@ -91,6 +93,12 @@ class QatConfig(StepConfig):
         True, description="also build full and mixed-precision PTQ of the same format to compare"
     )
     opset: int = Field(17, ge=13, le=21, description="per-channel QDQ needs opset 13 or later")
+    quantize_ops: QuantOps = Field(
+        "all",
+        description="fake quantization at every op quantize's QDQ model quantizes (all), or "
+        "around the compute layers only (compute: element-wise ops in float); the PTQ "
+        "comparison uses the same",
+    )
     progress: bool = True
 
     @field_validator("finetune", mode="before")
@@ -210,7 +218,7 @@ def _frozen(module: Any) -> Any:
 
 def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
     """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
-    fmt = fq.format_for(detect_cpu())
+    fmt = fq.format_for(detect_cpu(), cfg.quantize_ops)
     data, source, note = resolve_data(ctx.task, cfg.finetune)
     if note:
         ctx.warn(note)
@@ -322,6 +330,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
         export_module(model, sample, path, cfg.opset)
         folded = fold_constant_quantizers(path)
         fusable = make_file_fusable(path)
+        float_layers = float_inputs_file(path)  # e.g. a ConvTranspose QAT leaves in float
     except ExportError as err:
         where = _node_of_op(model, error_text(err)) or _failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
@@ -331,7 +340,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
     check = _verify(model, path, sample, cfg, ctx.threads)
-    return path, {**check, "int8_weights": folded, **fusable}
+    return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
 
 
 def _verify(
@@ -397,7 +406,7 @@ def run_qat(
 @step(
     QatConfig,
     contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
-    version=1,
+    version=2,  # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear
     reads=("target", "budget", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )

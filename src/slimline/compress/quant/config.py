@@ -9,10 +9,14 @@ from pydantic import Field, field_validator
 
 from ...recipe import StepConfig
 
-__all__ = ["CalibrationName", "Precision", "QuantSpec", "QuantizeConfig"]
+__all__ = ["CalibrationName", "Precision", "QuantOps", "QuantSpec", "QuantizeConfig"]
 
 Precision = Literal["int8", "float"]
 CalibrationName = Literal["minmax", "percentile", "entropy"]
+# "all": every op type ONNX Runtime's QDQ quantizer handles (element-wise Add/Mul, pooling,
+# Resize, Concat... too); "compute": only Conv, ConvTranspose, MatMul, Gemm and Attention, whose
+# inputs and outputs get Q/DQ while the element-wise ops between them compute in float
+QuantOps = Literal["all", "compute"]
 
 
 class QuantizeConfig(StepConfig):
@@ -47,6 +51,11 @@ class QuantizeConfig(StepConfig):
     samples: int = Field(512, ge=1, le=100_000, description="calibration samples")
     precision: dict[str, Precision] = Field(default_factory=dict)
     keep_first_last_float: bool = True
+    quantize_ops: QuantOps = Field(
+        "all",
+        description="static QDQ: all op types ONNX Runtime quantizes, or only the compute ops "
+        "(element-wise ops in float: fewer requantizations, see docs/quantization.md)",
+    )
     optimize_graph: bool = True
     mixed_precision: bool = True
     max_float_share: float = Field(
@@ -94,6 +103,7 @@ class QuantSpec:
     percentile: float = 99.99
     reduce_range: bool = False  # 7-bit weights
     embeddings: bool = False  # dynamic: also Gather / EmbedLayerNormalization tables in INT8
+    ops: QuantOps = "all"  # static: which op types get Q/DQ
 
     @property
     def label(self) -> str:
@@ -109,7 +119,8 @@ class QuantSpec:
             if self.calibration != "percentile"
             else f"percentile {self.percentile:g}"
         )
-        return f"static QDQ {a}{w} {gran}{rr} {cal}"
+        ops = " compute-ops" if self.ops == "compute" else ""
+        return f"static QDQ {a}{w} {gran}{rr}{ops} {cal}"
 
     @property
     def saturates_without_vnni(self) -> bool:
@@ -139,4 +150,5 @@ class QuantSpec:
             percentile=cfg.percentile,
             reduce_range=cfg.reduce_range,
             embeddings=cfg.mode == "dynamic" and cfg.quantize_embeddings,
+            ops=cfg.quantize_ops,
         )

@@ -10,7 +10,8 @@ import onnx
 from ...errors import StepError
 from ...record import atomic_write_bytes
 from .config import QuantSpec
-from .prepare import QDQ_MIN_OPSET, default_opset, quiet
+from .float_inputs import float_inputs_file
+from .prepare import COMPUTE_OPS, QDQ_MIN_OPSET, default_opset, quiet
 
 __all__ = ["DYNAMIC_OP_TYPES", "EMBEDDING_OP_TYPES", "quantize_model"]
 
@@ -37,13 +38,16 @@ def quantize_model(
     """Quantize ``src`` into ``dst`` (atomically), keeping ``float_nodes`` in float.
 
     Static specs read their ranges from ``caches[spec.calibration]`` (written by
-    :func:`slimline.compress.quant.calibrate.calibrate`); nothing is recalibrated here.
+    :func:`slimline.compress.quant.calibrate.calibrate`); nothing is recalibrated here. A float
+    node reads its input through a per-axis DequantizeLinear of its own (:mod:`.float_inputs`):
+    fed by a per-tensor one, ONNX Runtime would quantize its float weights per tensor at load.
     """
     with tempfile.TemporaryDirectory() as tmp, quiet():
         out = Path(tmp) / "q.onnx"
         try:
             if spec.mode == "static":
                 _static(src, out, spec, float_nodes, caches or {})
+                float_inputs_file(out)  # float nodes stay float under ONNX Runtime
             else:
                 _dynamic(src, out, spec, float_nodes)
         except StepError:
@@ -94,6 +98,7 @@ def _static(
         activation_type=_qtype(spec.activation_type),
         weight_type=_qtype(spec.weight_type),
         nodes_to_exclude=list(float_nodes),
+        op_types_to_quantize=list(COMPUTE_OPS) if spec.ops == "compute" else None,
         calibrate_method=method,
         reduce_range=spec.reduce_range,
         extra_options=_extra(spec),
