@@ -32,11 +32,18 @@ from slimline.recipe import BenchConfig
 from slimline.task import load_task
 
 
-def _candidates(run_dir: Path, names: list[str]) -> list[Candidate]:
+def _candidates(
+    run_dir: Path, names: list[str], other: dict[str, Path] | None = None
+) -> list[Candidate]:
+    """The run's ONNX candidates named in ``names``; a name in ``other`` is that ONNX file
+    instead (a model another run built, e.g. INT8 alone against this run's pruned + INT8)."""
     manifest = json.loads((run_dir / "manifest.json").read_text())
     known = {c["name"]: c for c in manifest["candidates"]}
     out = []
     for n in names:
+        if other and n in other:
+            out.append(Candidate(name=n, step="other", parent=None, onnx=other[n]))
+            continue
         c = known.get(n)
         if c is None or not c.get("artifact"):
             have = sorted(k for k, v in known.items() if v.get("artifact"))
@@ -48,12 +55,18 @@ def _candidates(run_dir: Path, names: list[str]) -> list[Candidate]:
 
 
 def remeasure(
-    run_dir: Path, names: list[str], rounds: int, runs: int, repeats: int, throughput: bool = False
+    run_dir: Path,
+    names: list[str],
+    rounds: int,
+    runs: int,
+    repeats: int,
+    throughput: bool = False,
+    other: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     threads = int(manifest["target"]["threads"])
     sample = load_task(manifest["task"]["source"]).sample_inputs(1)
-    cands = _candidates(run_dir, names)
+    cands = _candidates(run_dir, names, other)
     bench = BenchConfig(rounds=rounds, runs_per_round=runs, warmup=10)
     base = names[0]
     reps = []
@@ -134,8 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         help="also run the final benchmark's throughput passes (batch 1/8/32) after each "
         "latency block, as a run does, to see whether they bias the batch-1 figures",
     )
+    parser.add_argument(
+        "--other",
+        nargs="*",
+        default=[],
+        metavar="NAME=ONNX",
+        help="ONNX files from elsewhere, timed as candidates NAME (list NAME in --candidates)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = parser.parse_args(argv)
+    other = {}
+    for item in args.other:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--other {item!r}: expected NAME=PATH of an existing ONNX file")
+        other[name] = Path(path)
     if len(args.candidates) < 2:
         parser.error("--candidates needs a baseline and at least one candidate")
     try:
@@ -143,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as err:
         parser.error(err.errors()[0]["msg"])
     doc = remeasure(
-        args.run_dir, args.candidates, args.rounds, args.runs, args.repeats, args.throughput
+        args.run_dir, args.candidates, args.rounds, args.runs, args.repeats, args.throughput, other
     )
     cmd = reproduce_command("remeasure_run.py", argv)
     publish(_markdown(doc, args.candidates, cmd), doc, args.out)
