@@ -183,9 +183,9 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         "# Runtimes: ONNX Runtime vs OpenVINO, and the `runtime: auto` pick",
         "",
         f"CPU kind **{cpu.kind}** (features: {', '.join(sorted(cpu.features))}), "
-        f"{os.cpu_count()} cores, shared with other jobs (each model's load during its final "
-        "benchmark is below): absolute milliseconds are inflated and the bands wide; the ratios "
-        "come from one interleaved benchmark per model and are the figures to quote.",
+        f"{os.cpu_count()} cores. What else ran during each model's final benchmark is given "
+        "below it (other processes' cores, load average); the ratios come from one interleaved "
+        "benchmark per model and are the figures to quote.",
         "",
         "Each model: its built-in recipe with `target.runtime: auto` and `quantize: {nncf: "
         "true}`. Every (runtime, candidate) pair that can be the pick (FP32 on each runtime, "
@@ -213,7 +213,7 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
             f"average {figure(cond.get('load_before'), '.1f')} on {cond.get('cores', '?')} cores.",
             "",
             f"`slimline optimize` with `runtime: auto` took **{figure(r['wall_s'], '.0f', ' s')}"
-            f"** wall ({m['recipe']['target']['threads']} threads, machine under load"
+            f"** wall ({m['recipe']['target']['threads']} threads"
             f"{'' if r['wall_s'] else '; this run reused the step cache of an earlier one'}). "
             "Pick: "
             f"**{pick.get('candidate')} on {pick.get('runtime')}**.",
