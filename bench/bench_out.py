@@ -87,3 +87,14 @@ def publish(text: str, doc: dict[str, Any], out: Path | None) -> None:
     if out is not None:
         atomic_write_text(out, text)
         atomic_write_text(out.with_suffix(".json"), json.dumps(doc, indent=1, default=str))
+
+
+def put_section(text: str, key: str, body: str) -> str:
+    """``text`` with the section between ``<!-- key -->`` and ``<!-- /key -->`` replaced by
+    ``body`` (appended at the end when the markers are not there yet)."""
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    if start in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
+    return text.rstrip() + "\n\n" + block + "\n"

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from bench_out import put_section
 from slimline.loadtest.client import OUTCOMES, HttpClient
 from slimline.loadtest.generator import ClosedPlan, OpenPlan, execute
 from slimline.loadtest.payload import Payload, encode_request
@@ -152,17 +153,11 @@ def in_process_throughput(sess: Any, rows: dict[str, np.ndarray], batch: int,
 # -- results ---------------------------------------------------------------------------------
 def write_section(key: str, markdown: str) -> None:
     """Replace (or append) the ``key`` section of bench/RESULTS-serve.md, atomically."""
-    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
     text = RESULTS.read_text() if RESULTS.is_file() else PREFACE
     first = text.find("<!-- ")
     text = PREFACE.rstrip() + "\n\n" + (text[first:] if first >= 0 else "")
-    block = f"{start}\n{markdown.strip()}\n\n{conditions()}\n{end}"
-    if start in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    atomic_write_text(RESULTS, text)
+    body = f"{markdown.strip()}\n\n{conditions()}"
+    atomic_write_text(RESULTS, put_section(text, key, body))
     OUT.mkdir(parents=True, exist_ok=True)
     atomic_write_text(OUT / f"{key}.md", markdown)
 

@@ -264,17 +264,11 @@ def table(results: dict[str, Any]) -> str:
 
 def write_results(section: str) -> None:
     """Replace the measured section of bench/RESULTS-serve-cpu.md; the rest is kept."""
+    from bench_out import put_section
     from slimline.record import atomic_write_text
 
-    start, end = "<!-- measured -->", "<!-- /measured -->"
     text = RESULTS.read_text() if RESULTS.is_file() else "# CPU per request on the infer path\n"
-    block = f"{start}\n{section.strip()}\n{end}"
-    if start in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    atomic_write_text(RESULTS, text)
+    atomic_write_text(RESULTS, put_section(text, "measured", section))
 
 
 def main() -> None:

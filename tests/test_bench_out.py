@@ -80,3 +80,10 @@ def test_publish_writes_markdown_and_json_atomically(
         "detail": "promtool is not installed",
     }
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_a_section_is_replaced_in_place_and_appended_when_new(bench_out: ModuleType) -> None:
+    first = bench_out.put_section("# title\n", "k", "one")
+    assert first == "# title\n\n<!-- k -->\none\n<!-- /k -->\n"
+    again = bench_out.put_section(first + "after\n", "k", "two")
+    assert again == "# title\n\n<!-- k -->\ntwo\n<!-- /k -->\nafter\n"
