@@ -76,11 +76,16 @@ def _pads(node: onnx.NodeProto, a: dict[str, Any]) -> tuple[int, int]:
     return pads[0], pads[1]
 
 
-def _conv(b: _Builder, node: onnx.NodeProto) -> Any:
+def _conv_operands(b: _Builder, node: onnx.NodeProto) -> tuple[dict[str, Any], Any, Any, int]:
+    """A Conv or ConvTranspose node's attributes, weight, bias (or None) and group count."""
     a = _attrs(node)
     w = b.const(node.input[1])
     bias = b.const(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    group = int(a.get("group", 1))
+    return a, w, bias, int(a.get("group", 1))
+
+
+def _conv(b: _Builder, node: onnx.NodeProto) -> Any:
+    a, w, bias, group = _conv_operands(b, node)
     conv = nn.Conv2d(
         w.shape[1] * group,
         w.shape[0],
@@ -96,10 +101,7 @@ def _conv(b: _Builder, node: onnx.NodeProto) -> Any:
 
 
 def _conv_transpose(b: _Builder, node: onnx.NodeProto) -> Any:
-    a = _attrs(node)
-    w = b.const(node.input[1])
-    bias = b.const(node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    group = int(a.get("group", 1))
+    a, w, bias, group = _conv_operands(b, node)
     conv = nn.ConvTranspose2d(
         w.shape[0],
         w.shape[1] * group,
