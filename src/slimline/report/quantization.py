@@ -124,13 +124,30 @@ def _precision(meta: QuantizeRecord) -> str:
     if floats:
         out += table(["node kept in float", "why"], [[_e(n), _e(r)] for n, r in floats])
     trace = meta.get("search", {}).get("mixed_precision") or []
-    if trace:
+    steps = [t for t in trace if "impact" not in t]
+    if steps:
         out += (
             "<p>Mixed precision:</p><ul>"
-            + "".join(f"<li>{_e(_step(t))}</li>" for t in trace)
+            + "".join(f"<li>{_e(_step(t))}</li>" for t in steps)
             + "</ul>"
         )
+    for t in trace:
+        if "impact" in t:
+            out += _impact(t)
     return out
+
+
+def _impact(t: dict[str, Any]) -> str:
+    """The measured output gain of each node kept alone in float, in the order tried."""
+    rows = [
+        [_e(r["node"]), fmt(r["cosine"], 5), f"{r['gain']:+.5f}", fmt(r["cost"], 3)]
+        for r in t["impact"]
+    ]
+    return (
+        f"<p>Output impact ({t.get('samples')} rows each; mean cosine to the float graph with the "
+        "node alone kept in float; nodes are tried by gain per cost):</p>"
+        + table(["node kept in float", "cosine", "gain", "cost (share of the largest)"], rows)
+    )
 
 
 def _step(t: dict[str, Any]) -> str:

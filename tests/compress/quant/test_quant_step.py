@@ -218,6 +218,16 @@ def test_mixed_precision_keeps_the_worst_ranked_node_in_float(
     probes = [p for p in s.mixed_trace if "float_nodes" in p]
     assert probes[0] == {**probes[0], "float_nodes": 3, "ok": True}  # max_float_share=1: all three
     assert any(p["float_nodes"] == 1 and p["ok"] for p in probes)
+    impact = next(t for t in s.mixed_trace if "impact" in t)  # measured, then tried in order
+    assert impact["order"][0] == "/c2/Conv"
+    assert max(impact["impact"], key=lambda r: r["gain"])["node"] == "/c2/Conv"
+
+    from slimline.report.quantization import _precision
+
+    html = _precision(
+        {"precision_map": best.plan.to_dict(), "search": {"mixed_precision": s.mixed_trace}}
+    )  # type: ignore[typeddict-item]
+    assert "Output impact" in html and "/c2/Conv" in html and "impact:" not in html
 
 
 def test_manual_dynamic_mode_on_a_transformer(encoder_onnx: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
 from .engine import quantize_model
 from .fallback import fallback_warning, kernel_report
+from .impact import EMBEDDINGS, output_impact, rank_by_impact
 from .layerwise import error_statement, layer_errors
 from .plan import EDGES_FLOAT, EDGES_INT8, MIXED, PrecisionPlan
 from .prepare import Prepared
@@ -459,11 +460,14 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     if not ranking:
         return None
     hi = max(1, int(s.cfg.max_float_share * len(ranking)))
+    ranking = _impact_order(s, base, ranking)
     probes: dict[int, Trial] = {}
 
     def probe(k: int) -> Trial:
-        plan = base.plan.with_float(ranking[:k], MIXED)
-        trial = s.judge(s.build(base.spec, plan, f"-mixed{k}"))
+        nodes = [n for n in ranking[:k] if n != EMBEDDINGS]
+        spec = replace(base.spec, embeddings=False) if EMBEDDINGS in ranking[:k] else base.spec
+        plan = base.plan.with_float(nodes, MIXED)
+        trial = s.judge(s.build(spec, plan, f"-mixed{k}"))
         probes[k] = trial
         s.mixed_trace.append(
             {
@@ -494,6 +498,49 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
         }
     )
     return best
+
+
+def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
+    """``ranking`` re-ordered by measured output gain per cost (:mod:`.impact`) over its first
+    ``impact_nodes`` nodes (and the embedding tables of a dynamic candidate that stores them in
+    8 bits); unchanged when ``impact_nodes`` is 0."""
+    limit = s.cfg.impact_nodes
+    if limit <= 0:
+        return ranking
+    measured = ranking[:limit] + ([EMBEDDINGS] if base.spec.embeddings else [])
+
+    def progress(done: int, total: int) -> None:
+        log.info("quantize: mixed precision: output impact %d/%d", done, total)
+
+    try:
+        with s.timed("impact"):
+            impacts = output_impact(
+                s.prepared.path,
+                base.spec,
+                base.plan.float_nodes,
+                measured,
+                s.eval_inputs(),
+                s.cfg.impact_samples,
+                s.ctx.threads,
+                s.caches,
+                s.ctx.task.signature,
+                "size" if s.objective == "size" else "latency",
+                progress,
+            )
+    except Exception as err:  # a probe the quantizer or runtime refused: rank as before
+        if is_user_error(err):
+            raise
+        s.mixed_trace.append({"impact_skipped": error_text(err)})
+        return ranking
+    order = rank_by_impact(ranking, impacts)
+    s.mixed_trace.append(
+        {
+            "impact": [i.to_dict() for i in sorted(impacts, key=lambda i: -i.score)],
+            "samples": s.cfg.impact_samples,
+            "order": order[: len(measured)],
+        }
+    )
+    return order
 
 
 def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescription:
