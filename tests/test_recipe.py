@@ -106,3 +106,20 @@ def test_onnx_task_keys_round_trip_and_are_typed(tmp_path: Path) -> None:
         recipe_from_dict({**data, "inputs": {"sr": {"batch_axis": -1}}})
     with pytest.raises(RecipeError, match="eval_samples applies to an ONNX task"):
         recipe_from_dict({**data, "task": "mnist"})
+
+
+def test_command_line_revalidation_keeps_defaults_apart_from_what_the_recipe_set() -> None:
+    """`optimize` validates its overrides by a round trip through a dict; the quantize step's
+    automatic mode tries first/last layers in INT8, and picks the INT8 format for the CPU, only
+    where the recipe did not set them, so the round trip must not turn defaults into settings."""
+    from slimline.commands import revalidated
+    from slimline.compress.quant.config import QuantizeConfig
+
+    r = recipe_from_dict(
+        {"name": "x", "task": "mnist", "steps": ["export", {"quantize": {"samples": 64}}]}
+    )
+    r = r.model_copy(update={"target": r.target.model_copy(update={"threads": 1})})
+    again = revalidated(r)
+    assert again == recipe_from_dict(r.to_dict())
+    assert again.step_config(QuantizeConfig).model_fields_set == {"samples"}
+    assert again.target.threads == 1

@@ -49,6 +49,16 @@ def _apply_overrides(recipe: Any, args: argparse.Namespace) -> Any:
     return recipe
 
 
+def revalidated(recipe: Any) -> Any:
+    """``recipe`` with its command-line overrides validated the way a file's fields are. Only
+    the fields the recipe set travel: a step's defaults stay defaults (the quantize step's
+    automatic mode tries the first/last layers in INT8, and picks the INT8 format for this CPU,
+    only where the recipe did not set them)."""
+    from .recipe import recipe_from_dict
+
+    return recipe_from_dict(recipe.to_dict(explicit=True))
+
+
 def _finish(run_out: Path) -> None:
     from .record import load_manifest
     from .report.html import summary_table
@@ -59,10 +69,8 @@ def _finish(run_out: Path) -> None:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from .pipeline import run_recipe
-    from .recipe import recipe_from_dict
 
-    recipe = _apply_overrides(resolve_recipe(args.recipe), args)
-    recipe = recipe_from_dict(recipe.to_dict())  # validate overrides the same way as a file
+    recipe = revalidated(_apply_overrides(resolve_recipe(args.recipe), args))
     if args.print_recipe:
         sys.stdout.write(recipe.to_yaml())
         return 0
@@ -88,9 +96,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     recipe = _apply_overrides(recipe, args)
     if args.memory_mb is not None:
-        from .recipe import recipe_from_dict
-
-        recipe = recipe_from_dict(recipe.to_dict())  # validate the budget as a file's would be
+        recipe = revalidated(recipe)  # the budget is checked as a file's would be
     run = run_recipe(recipe, args.out, cache=args.cache, remeasure=args.remeasure)
     _finish(run.out)
     return 0

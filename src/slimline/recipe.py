@@ -189,10 +189,14 @@ class Recipe(Config):
     def batch_axes(self) -> dict[str, int | None]:
         return {name: cfg.batch_axis for name, cfg in self.inputs.items()}
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict that :func:`recipe_from_dict` turns back into an equal recipe."""
-        data = self.model_dump(mode="json", exclude={"steps"})
-        data["steps"] = [{s.kind: s.model_dump(mode="json")} for s in self.steps]
+    def to_dict(self, explicit: bool = False) -> dict[str, Any]:
+        """A plain dict that :func:`recipe_from_dict` turns back into an equal recipe: every
+        field, or with ``explicit`` only those the recipe set (the round trip then keeps what
+        was said apart from what was defaulted: a step may treat the two differently)."""
+        data = self.model_dump(mode="json", exclude={"steps"}, exclude_unset=explicit)
+        data["steps"] = [
+            {s.kind: s.model_dump(mode="json", exclude_unset=explicit)} for s in self.steps
+        ]
         return data
 
     def to_yaml(self) -> str:
