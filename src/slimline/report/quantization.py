@@ -144,8 +144,8 @@ def _impact(t: dict[str, Any]) -> str:
         for r in t["impact"]
     ]
     return (
-        f"<p>Output impact ({t.get('samples')} rows each; mean cosine to the float graph with the "
-        "node alone kept in float; nodes are tried by gain per cost):</p>"
+        f"<p>Output impact (mean cosine to the FP32 reference with the node alone kept in float, "
+        f"against {fmt(t.get('base_cosine'), 5)} with none; nodes are tried by gain per cost):</p>"
         + table(["node kept in float", "cosine", "gain", "cost (share of the largest)"], rows)
     )
 

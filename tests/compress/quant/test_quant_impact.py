@@ -14,6 +14,7 @@ from slimline.compress.quant.engine import quantize_model
 from slimline.compress.quant.impact import (
     EMBEDDINGS,
     Impact,
+    cosine_to_graph,
     node_costs,
     output_impact,
     rank_by_impact,
@@ -60,7 +61,8 @@ def test_the_output_gain_ranks_the_node_the_layerwise_error_ranks_last(tmp_path:
     local = layer_errors(src, q, ["damped", "direct"], _batches(), 16)
     assert [r["node"] for r in local] == ["damped", "direct"]  # the local view blames damped
 
-    impacts = output_impact(src, spec, [], ["damped", "direct"], _batches(), 16, 1, {})
+    score = cosine_to_graph(src, _batches(), 16, 1)
+    impacts = output_impact(src, spec, [], ["damped", "direct"], score, {})
     gain = {i.node: i.gain for i in impacts}
     assert gain["direct"] > 10 * max(gain["damped"], 1e-9)
     assert rank_by_impact(["damped", "direct"], impacts) == ["direct", "damped"]

@@ -501,8 +501,8 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
 
 
 def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
-    """``ranking`` re-ordered by measured output gain per cost (:mod:`.impact`) over its first
-    ``impact_nodes`` nodes (and the embedding tables of a dynamic candidate that stores them in
+    """``ranking`` re-ordered by measured gain in the budget's cosine per cost (:mod:`.impact`)
+    over its first ``impact_nodes`` nodes (and the embedding tables of a dynamic candidate that stores them in
     8 bits); unchanged when ``impact_nodes`` is 0."""
     limit = s.cfg.impact_nodes
     if limit <= 0:
@@ -519,11 +519,8 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
                 base.spec,
                 base.plan.float_nodes,
                 measured,
-                s.eval_inputs(),
-                s.cfg.impact_samples,
-                s.ctx.threads,
+                lambda path: _budget_cosine(s, path),
                 s.caches,
-                s.ctx.task.signature,
                 "size" if s.objective == "size" else "latency",
                 progress,
             )
@@ -536,11 +533,18 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
     s.mixed_trace.append(
         {
             "impact": [i.to_dict() for i in sorted(impacts, key=lambda i: -i.score)],
-            "samples": s.cfg.impact_samples,
+            "base_cosine": base.quality.cosine_mean if base.quality else None,
             "order": order[: len(measured)],
         }
     )
     return order
+
+
+def _budget_cosine(s: Search, path: Path) -> float:
+    """Mean cosine of the model at ``path`` to the FP32 reference outputs: what the budget's
+    ``min_cosine`` is judged on."""
+    probe = Candidate(name="quantize:impact-probe", step="quantize", parent=None, onnx=path)
+    return float(s.ctx.evaluate(probe).cosine_mean)
 
 
 def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescription:

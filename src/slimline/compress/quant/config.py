@@ -71,10 +71,10 @@ class QuantizeConfig(StepConfig):
         24,
         ge=0,
         le=1024,
-        description="mixed precision measures the output gain of keeping each of this many "
-        "worst-ranked nodes alone in float and tries them by gain per cost (0: layer-wise order)",
+        description="mixed precision measures the gain in the budget's cosine of keeping each "
+        "of this many worst-ranked nodes alone in float and tries them by gain per cost (0: "
+        "layer-wise order)",
     )
-    impact_samples: int = Field(64, ge=1, le=4096, description="rows each impact probe runs")
     representativeness_samples: int = Field(64, ge=0, le=10_000)
     calibration_chunk_mb: int = Field(128, ge=16, le=16_384)
     nncf: bool = Field(

@@ -5,8 +5,9 @@ say how much of that reaches the model's output. On a depth-pruned minilm the wo
 (a fused Attention) moved the output cosine by less than 0.0001 when kept in float, while the
 second (the first FFN's output projection, fed by GELU outliers) moved it by 0.0028, the whole of
 what the budget needed. So mixed precision measures: for each of the first ``limit`` nodes of the
-layer-wise ranking it builds the candidate with that node alone in float and runs it on a few
-evaluation rows against the float graph. The gain in mean cosine is then priced by the node's
+layer-wise ranking it builds the candidate with that node alone in float and evaluates it the
+way the budget judges it (mean cosine to the FP32 reference outputs: after pruning, that is the
+unpruned teacher, not the float graph being quantized). The gain is then priced by the node's
 cost (a MAC estimate for the latency objective, its weights for the size objective), and the
 nodes are tried in order of gain per cost: the budget is met by the cheapest float set the
 measurements point to, not by the most float-looking one.
@@ -35,7 +36,14 @@ from .calibrate import rebatch
 from .config import QuantSpec
 from .engine import EMBEDDING_OP_TYPES, quantize_model
 
-__all__ = ["EMBEDDINGS", "Impact", "node_costs", "output_impact", "rank_by_impact"]
+__all__ = [
+    "EMBEDDINGS",
+    "Impact",
+    "cosine_to_graph",
+    "node_costs",
+    "output_impact",
+    "rank_by_impact",
+]
 
 EMBEDDINGS = "<embedding tables>"
 
@@ -110,27 +118,42 @@ def _cosines(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
     return float(np.mean(vals)) if vals else 1.0
 
 
+def cosine_to_graph(
+    float_path: Path,
+    batches: Iterable[Inputs],
+    samples: int,
+    threads: int,
+    signature: Signature | None = None,
+) -> Callable[[Path], float]:
+    """A scorer for :func:`output_impact`: mean cosine of a model's outputs (every output of a
+    row, flattened) to ``float_path``'s, over ``samples`` rows run one at a time."""
+    rows = list(rebatch(batches, 1, samples, signature))
+    fs = ort_session(float_path, threads)
+    ref = [np.concatenate([np.ravel(o) for o in fs.run(None, r)]) for r in rows]
+
+    def score(path: Path) -> float:
+        qs = ort_session(path, threads)
+        got = [np.concatenate([np.ravel(o) for o in qs.run(None, r)]) for r in rows]
+        return _cosines(ref, got)
+
+    return score
+
+
 def output_impact(
     float_path: Path,
     spec: QuantSpec,
     float_nodes: list[str],
     candidates: list[str],
-    batches: Iterable[Inputs],
-    samples: int,
-    threads: int,
+    score: Callable[[Path], float],
     caches: dict[str, Path],
-    signature: Signature | None = None,
     objective: str = "latency",
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Impact]:
-    """Build ``spec`` with each of ``candidates`` alone kept in float (besides ``float_nodes``),
-    run it on ``samples`` rows one at a time, and return each one's gain in mean output cosine
-    (every output of a row, flattened) over the candidate with no extra node in float."""
-    rows = list(rebatch(batches, 1, samples, signature))
-    fs = ort_session(float_path, threads)
-    ref = [np.concatenate([np.ravel(o) for o in fs.run(None, r)]) for r in rows]
+    """Build ``spec`` with each of ``candidates`` alone kept in float (besides ``float_nodes``)
+    and return each one's gain in ``score`` (a mean cosine: in the quantize step, to the FP32
+    reference outputs the budget is judged on) over the candidate with no extra node in float."""
 
-    def cosine(extra: str | None, tmp: Path) -> float:
+    def build_and_score(extra: str | None, tmp: Path) -> float:
         path = tmp / "probe.onnx"
         nodes = list(float_nodes)
         probe_spec = spec
@@ -139,17 +162,15 @@ def output_impact(
         elif extra is not None:
             nodes.append(extra)
         quantize_model(float_path, path, probe_spec, nodes, caches)
-        qs = ort_session(path, threads)
-        got = [np.concatenate([np.ravel(o) for o in qs.run(None, r)]) for r in rows]
-        return _cosines(ref, got)
+        return score(path)
 
     costs = node_costs(onnx.load(str(float_path)), candidates, objective)
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
-        base = cosine(None, tmp)
+        base = build_and_score(None, tmp)
         out = []
         for i, node in enumerate(candidates):
-            c = cosine(node, tmp)
+            c = build_and_score(node, tmp)
             out.append(Impact(node, c, c - base, costs[node]))
             if progress is not None:
                 progress(i + 1, len(candidates))
