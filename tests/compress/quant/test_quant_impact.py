@@ -3,6 +3,7 @@ always the one the output pays for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,13 @@ from slimline.compress.quant.engine import quantize_model
 from slimline.compress.quant.impact import (
     EMBEDDINGS,
     Impact,
-    cosine_to_graph,
     node_costs,
     output_impact,
     rank_by_impact,
 )
 from slimline.compress.quant.layerwise import layer_errors
+from slimline.measure.quality import fidelity
+from slimline.measure.runners import ort_session
 
 
 def _damped_graph(path: Path) -> None:
@@ -53,6 +55,17 @@ def _batches(n: int = 4, rows: int = 8) -> list[dict[str, np.ndarray]]:
     return out
 
 
+def _cosine_to(src: Path) -> Callable[[Path], float]:
+    """Mean cosine of a model's output to ``src``'s on :func:`_batches`."""
+    ref = np.concatenate([ort_session(src, 1).run(None, b)[0] for b in _batches()])
+
+    def score(path: Path) -> float:
+        got = np.concatenate([ort_session(path, 1).run(None, b)[0] for b in _batches()])
+        return float(fidelity(got, ref, logits=False)["cosine_mean"] or 0.0)
+
+    return score
+
+
 def test_the_output_gain_ranks_the_node_the_layerwise_error_ranks_last(tmp_path: Path) -> None:
     src, q = tmp_path / "f.onnx", tmp_path / "q.onnx"
     _damped_graph(src)
@@ -61,8 +74,7 @@ def test_the_output_gain_ranks_the_node_the_layerwise_error_ranks_last(tmp_path:
     local = layer_errors(src, q, ["damped", "direct"], _batches(), 16)
     assert [r["node"] for r in local] == ["damped", "direct"]  # the local view blames damped
 
-    score = cosine_to_graph(src, _batches(), 16, 1)
-    impacts = output_impact(src, spec, [], ["damped", "direct"], score, {})
+    impacts = output_impact(src, spec, [], ["damped", "direct"], _cosine_to(src), {})
     gain = {i.node: i.gain for i in impacts}
     assert gain["direct"] > 10 * max(gain["damped"], 1e-9)
     assert rank_by_impact(["damped", "direct"], impacts) == ["direct", "damped"]

@@ -502,8 +502,8 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
 
 def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
     """``ranking`` re-ordered by measured gain in the budget's cosine per cost (:mod:`.impact`)
-    over its first ``impact_nodes`` nodes (and the embedding tables of a dynamic candidate that stores them in
-    8 bits); unchanged when ``impact_nodes`` is 0."""
+    over its first ``impact_nodes`` nodes (and the embedding tables of a dynamic candidate that
+    stores them in 8 bits); unchanged when ``impact_nodes`` is 0."""
     limit = s.cfg.impact_nodes
     if limit <= 0:
         return ranking
@@ -523,6 +523,7 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
                 s.caches,
                 "size" if s.objective == "size" else "latency",
                 progress,
+                base.quality.cosine_mean if base.quality else None,  # judged already
             )
     except Exception as err:  # a probe the quantizer or runtime refused: rank as before
         if is_user_error(err):

@@ -21,36 +21,25 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
-from ...measure.runners import ort_session
-from ...signature import Signature
-from ...task import Inputs
-from .calibrate import rebatch
 from .config import QuantSpec
 from .engine import EMBEDDING_OP_TYPES, quantize_model
 
-__all__ = [
-    "EMBEDDINGS",
-    "Impact",
-    "cosine_to_graph",
-    "node_costs",
-    "output_impact",
-    "rank_by_impact",
-]
+__all__ = ["EMBEDDINGS", "Impact", "node_costs", "output_impact", "rank_by_impact"]
 
 EMBEDDINGS = "<embedding tables>"
 
 
 @dataclass
 class Impact:
-    """One node's measured effect: mean cosine to the float graph with it alone in float."""
+    """One node's measured effect: the score (mean cosine to the reference) with it alone in
+    float, and its gain over the candidate with no extra node in float."""
 
     node: str
     cosine: float
@@ -109,36 +98,6 @@ def node_costs(model: onnx.ModelProto, nodes: list[str], objective: str) -> dict
     return {k: max(v / top, 1e-3) for k, v in raw.items()}
 
 
-def _cosines(ref: list[np.ndarray], got: list[np.ndarray]) -> float:
-    vals = []
-    for a, b in zip(ref, got, strict=True):
-        x, y = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-        den = math.sqrt(float(x @ x) * float(y @ y))
-        vals.append(float(x @ y) / den if den > 0 else float(np.array_equal(x, y)))
-    return float(np.mean(vals)) if vals else 1.0
-
-
-def cosine_to_graph(
-    float_path: Path,
-    batches: Iterable[Inputs],
-    samples: int,
-    threads: int,
-    signature: Signature | None = None,
-) -> Callable[[Path], float]:
-    """A scorer for :func:`output_impact`: mean cosine of a model's outputs (every output of a
-    row, flattened) to ``float_path``'s, over ``samples`` rows run one at a time."""
-    rows = list(rebatch(batches, 1, samples, signature))
-    fs = ort_session(float_path, threads)
-    ref = [np.concatenate([np.ravel(o) for o in fs.run(None, r)]) for r in rows]
-
-    def score(path: Path) -> float:
-        qs = ort_session(path, threads)
-        got = [np.concatenate([np.ravel(o) for o in qs.run(None, r)]) for r in rows]
-        return _cosines(ref, got)
-
-    return score
-
-
 def output_impact(
     float_path: Path,
     spec: QuantSpec,
@@ -148,10 +107,12 @@ def output_impact(
     caches: dict[str, Path],
     objective: str = "latency",
     progress: Callable[[int, int], None] | None = None,
+    base_score: float | None = None,
 ) -> list[Impact]:
     """Build ``spec`` with each of ``candidates`` alone kept in float (besides ``float_nodes``)
     and return each one's gain in ``score`` (a mean cosine: in the quantize step, to the FP32
-    reference outputs the budget is judged on) over the candidate with no extra node in float."""
+    reference outputs the budget is judged on) over the candidate with no extra node in float,
+    whose score is ``base_score`` when the caller has measured it already."""
 
     def build_and_score(extra: str | None, tmp: Path) -> float:
         path = tmp / "probe.onnx"
@@ -167,7 +128,7 @@ def output_impact(
     costs = node_costs(onnx.load(str(float_path)), candidates, objective)
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
-        base = build_and_score(None, tmp)
+        base = build_and_score(None, tmp) if base_score is None else base_score
         out = []
         for i, node in enumerate(candidates):
             c = build_and_score(node, tmp)
