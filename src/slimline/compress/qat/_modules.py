@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 
-__all__ = ["ONNX_INT8", "QConv2d", "QLinear"]
+__all__ = ["ONNX_INT8", "LearnedRange", "LearnedWeightRange", "QConv2d", "QLinear"]
 
 ONNX_INT8 = (-128, 127)  # the weight range the exporter accepts; learned weights lie inside it
 
@@ -75,3 +78,77 @@ class QLinear(_QWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation(F.linear(x, self.quantized_weight(), self.bias))
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest (ties to even, as ``fake_quantize_per_tensor_affine``) with the
+    straight-through gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+class LearnedRange(FakeQuantizeBase):
+    """Per-tensor affine fake quantization of an activation whose scale is trained with the
+    model (LSQ, Esser et al. 2020: the straight-through estimator through the rounding, the
+    exact gradient through the clamp and the rescale). The scale is kept as its logarithm, so an
+    optimizer step changes it by a share of itself, whatever the activation's magnitude; the
+    zero point stays where the calibration put it. Under ``torch.no_grad`` (evaluation, export)
+    it runs ``fake_quantize_per_tensor_affine`` with the current scale, the op the QDQ export
+    writes."""
+
+    zero_point: torch.Tensor
+
+    def __init__(self, scale: float, zero_point: int, quant_min: int, quant_max: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log_scale = nn.Parameter(torch.tensor(math.log(scale)))
+        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
+        self.quant_min, self.quant_max = quant_min, quant_max
+        self.dtype, self.qscheme = torch.quint8, torch.per_tensor_affine
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.log_scale.detach().exp().reshape(1)
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.scale, self.zero_point
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.fake_quant_enabled[0]):
+            return x
+        if not (torch.is_grad_enabled() and self.log_scale.requires_grad):
+            return torch.fake_quantize_per_tensor_affine(
+                x, self.scale, self.zero_point, self.quant_min, self.quant_max
+            )
+        s, zp = self.log_scale.exp(), self.zero_point.float()
+        q = torch.clamp(_round_ste(x / s) + zp, self.quant_min, self.quant_max)
+        return (q - zp) * s
+
+
+class LearnedWeightRange(FakeQuantizeBase):
+    """Per-channel symmetric fake quantization of a weight (output channels on axis 0) whose
+    scales are trained with the model, as :class:`LearnedRange` (log-scales, LSQ gradient)."""
+
+    zero_point: torch.Tensor
+
+    def __init__(self, scale: torch.Tensor, quant_min: int, quant_max: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.log_scale = nn.Parameter(scale.detach().float().clamp_min(1e-12).log())
+        self.register_buffer("zero_point", torch.zeros(len(scale), dtype=torch.int32))
+        self.quant_min, self.quant_max, self.ch_axis = quant_min, quant_max, 0
+        self.dtype, self.qscheme = torch.qint8, torch.per_channel_symmetric
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.log_scale.detach().exp()
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.scale, self.zero_point
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not bool(self.fake_quant_enabled[0]):
+            return w
+        if not (torch.is_grad_enabled() and self.log_scale.requires_grad):
+            return torch.fake_quantize_per_channel_affine(
+                w, self.scale, self.zero_point, 0, self.quant_min, self.quant_max
+            )
+        s = self.log_scale.exp().reshape(-1, *([1] * (w.dim() - 1)))
+        return torch.clamp(_round_ste(w / s), self.quant_min, self.quant_max) * s
