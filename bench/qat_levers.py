@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     student = fq.prepare(teacher, example, fmt)
     t0 = time.perf_counter()
     fq.calibrate(student, task.calibration_data(), 512, args.calibration)
+    if args.freeze_observers_after == 0:  # else the observers follow the evaluation rows too
+        fq.freeze_observers(student)
     learned = fq.learn_ranges(student, args.learn_weight_ranges) if args.learn_ranges else 0
     rows: list[dict[str, Any]] = [
         {"step": 0, **_evaluate(student, teacher, task), "s": time.perf_counter() - t0}
