@@ -29,7 +29,12 @@ from bench_out import NOT_MEASURED, figure, publish, reproduce_command, reproduc
 
 RECIPE = "mnist-dw-qat"
 ZOO_TASKS = {"ppocr-det": "zoo_ppocr_torch_task.py"}
-NAMES = {"fp32": "FP32", "ptq_full": "full INT8 PTQ", "ptq_mixed": "PTQ, mixed precision"}
+NAMES = {
+    "fp32": "FP32",
+    "ptq_full": "full INT8 PTQ",
+    "ptq_full_calibrated": "full INT8 PTQ, QAT's calibration",
+    "ptq_mixed": "PTQ, mixed precision",
+}
 
 
 def _zoo_recipe(recipe: Any, zoo: str) -> Any:
@@ -58,12 +63,18 @@ def _run(
     min_export_cosine: float | None = None,
     quantize_ops: str | None = None,
     freeze_observers_after: int | None = None,
+    ranges: dict[str, Any] | None = None,
+    no_mixed: bool = False,
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
     from slimline.task import load_task
 
     recipe = resolve_recipe(RECIPE)
+    if no_mixed:  # the comparison's mixed-precision search is the slowest part of the run
+        import slimline.compress.qat.compare as compare
+
+        setattr(compare, "mixed_precision", lambda search, full: None)  # noqa: B010
     if zoo is not None:
         recipe = _zoo_recipe(recipe, zoo)
     finetune = {"steps": steps, "lr_scale": lr_scale}
@@ -74,6 +85,7 @@ def _run(
             ("min_export_cosine", min_export_cosine),
             ("quantize_ops", quantize_ops),
             ("freeze_observers_after", freeze_observers_after),
+            *(ranges or {}).items(),
         )
         if v is not None
     }
@@ -104,9 +116,9 @@ def _row(label: str, r: dict[str, Any]) -> str:
     )
 
 
-def _share(v: dict[str, Any], key: str, ptq_in_budget: bool) -> str:
-    lost = v.get(f"{key}_lost_by_ptq")
-    share = v.get(f"{key}_recovered_share")
+def _share(v: dict[str, Any], key: str, ptq_in_budget: bool, suffix: str = "") -> str:
+    lost = v.get(f"{key}_lost_by_ptq{suffix}")
+    share = v.get(f"{key}_recovered_share{suffix}")
     if share is None:
         return f"not applicable: full PTQ lost {figure(lost, '.4f')} (nothing to recover)"
     met = "met" if share >= 0.70 else "NOT met"
@@ -142,7 +154,11 @@ def _report(m: dict[str, Any], wall: float, cmd: str) -> tuple[str, dict[str, An
         "| model | metric | cosine to FP32 | p50 ms | size | ops in INT8 |",
         "|---|---|---|---|---|---|",
     ]
-    lines += [_row(NAMES[k], comp["rows"][k]) for k in NAMES if k in comp["rows"]]
+    lines += [
+        _row(comp["rows"][k].get("label") if k == "ptq_full_calibrated" else NAMES[k], r)
+        for k in NAMES
+        if (r := comp["rows"].get(k)) is not None
+    ]
     lines.append(_row(f"QAT ({meta['label']})", comp["rows"]["qat"]))
     mixed = v.get("latency_vs_ptq_mixed")
     ptq_ok = bool(comp["rows"].get("ptq_full", {}).get("budget_ok"))
@@ -151,13 +167,25 @@ def _report(m: dict[str, Any], wall: float, cmd: str) -> tuple[str, dict[str, An
         f"- full PTQ within the recipe's budget: {'yes' if ptq_ok else 'no'}",
         f"- metric PTQ lost: {_share(v, 'metric', ptq_ok)}",
         f"- cosine PTQ lost: {_share(v, 'cosine_mean', ptq_ok)}",
+    ]
+    if "ptq_full_calibrated" in comp["rows"]:
+        label = comp["rows"]["ptq_full_calibrated"].get("label", NAMES["ptq_full_calibrated"])
+        lines += [
+            f"- metric {label} lost: {_share(v, 'metric', ptq_ok, '_vs_calibrated')}",
+            f"- cosine {label} lost: {_share(v, 'cosine_mean', ptq_ok, '_vs_calibrated')}",
+        ]
+    lines += [
         f"- QAT latency vs full PTQ: {figure(v.get('latency_vs_ptq_full'), '.3f', 'x')} "
         f"(target within 10%: {'met' if v.get('within_10pct_of_ptq_full') else 'NOT met'})",
         "- QAT latency vs mixed-precision PTQ: "
         + (
             f"{mixed:.3f}x ({'faster' if v.get('faster_than_ptq_mixed') else 'NOT faster'})"
             if mixed is not None
-            else "not applicable: full PTQ met the budget, no mixed-precision model was built"
+            else (
+                "not measured: this run skipped the mixed-precision search (--no-mixed)"
+                if not ptq_ok
+                else "not applicable: full PTQ met the budget, no mixed-precision model was built"
+            )
         ),
         f"- export check (ONNX Runtime vs fake-quant torch): {meta['export_check']}",
         f"- fallback detection: {meta['kernels']['summary']}",
@@ -187,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="QAT steps before the ranges freeze (0: the calibrated ranges throughout)",
     )
+    p.add_argument(
+        "--calibration",
+        choices=["minmax", "entropy", "percentile"],
+        default=None,
+        help="QAT's initial activation ranges (and a full PTQ row calibrated the same way)",
+    )
+    p.add_argument("--learn-ranges", action="store_true", help="QAT trains the ranges (LSQ)")
+    p.add_argument("--learn-weight-ranges", action="store_true", help="and the weight scales")
+    p.add_argument("--range-lr", type=float, default=None, help="learning rate of the ranges")
+    p.add_argument(
+        "--no-mixed", action="store_true", help="skip the mixed-precision PTQ row (the slowest)"
+    )
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
     p.add_argument("--keep-runs", type=Path, default=Path(tempfile.gettempdir()) / "qat-bench")
     p.add_argument("--manifest", type=Path, default=None, help="render this run's manifest")
@@ -204,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
             args.min_export_cosine,
             args.quantize_ops,
             args.freeze_observers_after,
+            {
+                "calibration": args.calibration,
+                "learn_ranges": True if args.learn_ranges else None,
+                "learn_weight_ranges": True if args.learn_weight_ranges else None,
+                "range_lr": args.range_lr,
+            },
+            args.no_mixed,
         )
     measured = ["--out", str(args.out)] if args.out else []
     for flag, value in (
@@ -213,9 +260,20 @@ def main(argv: list[str] | None = None) -> int:
         ("--min-export-cosine", args.min_export_cosine),
         ("--quantize-ops", args.quantize_ops),
         ("--freeze-observers-after", args.freeze_observers_after),
+        ("--calibration", args.calibration),
+        ("--range-lr", args.range_lr),
     ):
         if value is not None:
             measured += [flag, str(value)]
+    measured += [
+        f
+        for f, on in (
+            ("--learn-ranges", args.learn_ranges),
+            ("--learn-weight-ranges", args.learn_weight_ranges),
+            ("--no-mixed", args.no_mixed),
+        )
+        if on
+    ]
     text, doc = _report(m, wall, reproduce_command("qat_bench.py", measured))
     publish(text, doc, args.out)
     return 0

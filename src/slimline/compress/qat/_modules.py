@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.ao.quantization import FakeQuantizeBase
 
-__all__ = ["ONNX_INT8", "QConv2d", "QLinear"]
+__all__ = ["ONNX_INT8", "LearnedRange", "LearnedWeightRange", "QConv2d", "QLinear"]
 
 ONNX_INT8 = (-128, 127)  # the weight range the exporter accepts; learned weights lie inside it
 
@@ -75,3 +76,98 @@ class QLinear(_QWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation(F.linear(x, self.quantized_weight(), self.bias))
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest (ties to even, as ``fake_quantize_per_tensor_affine``) with the
+    straight-through gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _fake_quant_lsq(
+    x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int
+) -> torch.Tensor:
+    """``fake_quantize_*_affine``'s arithmetic (``x * (1 / scale)`` rounded, the zero point
+    added, clamped, rescaled) written in differentiable ops: the straight-through estimator
+    through the rounding, the exact gradient through the clamp and the rescale, for ``scale``
+    as for ``x`` (LSQ)."""
+    q = torch.clamp(_round_ste(x * (1.0 / scale)) + zp, qmin, qmax)
+    return (q - zp) * scale
+
+
+class LearnedRange(FakeQuantizeBase):
+    """Per-tensor affine fake quantization of an activation whose scale is trained with the
+    model (LSQ, Esser et al. 2020). The scale is the calibrated one times ``exp(log_gain)``,
+    the gain starting at exactly 1: an optimizer step changes the scale by a share of itself,
+    whatever the activation's magnitude, and at the start the module computes bit for bit what
+    the calibrated fake quant computed. The zero point stays where the calibration put it. Under
+    ``torch.no_grad`` (evaluation, export) it runs ``fake_quantize_per_tensor_affine`` with the
+    current scale, the op the QDQ export writes."""
+
+    zero_point: torch.Tensor
+    base_scale: torch.Tensor
+
+    def __init__(self, scale: float, zero_point: int, quant_min: int, quant_max: int) -> None:
+        super().__init__()
+        self.register_buffer("base_scale", torch.tensor([scale], dtype=torch.float32))
+        self.log_gain = nn.Parameter(torch.zeros(1))
+        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
+        self.quant_min, self.quant_max = quant_min, quant_max
+        self.dtype, self.qscheme = torch.quint8, torch.per_tensor_affine
+
+    def _scale(self) -> torch.Tensor:
+        return self.base_scale * self.log_gain.exp()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale().detach()
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.scale, self.zero_point
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(self.fake_quant_enabled[0]):
+            return x
+        if not (torch.is_grad_enabled() and self.log_gain.requires_grad):
+            return torch.fake_quantize_per_tensor_affine(
+                x, self.scale, self.zero_point, self.quant_min, self.quant_max
+            )
+        zp = self.zero_point.float()
+        return _fake_quant_lsq(x, self._scale(), zp, self.quant_min, self.quant_max)
+
+
+class LearnedWeightRange(FakeQuantizeBase):
+    """Per-channel symmetric fake quantization of a weight (output channels on axis 0) whose
+    scales are trained with the model, as :class:`LearnedRange` (a gain per channel, LSQ
+    gradient)."""
+
+    zero_point: torch.Tensor
+    base_scale: torch.Tensor
+
+    def __init__(self, scale: torch.Tensor, quant_min: int, quant_max: int) -> None:
+        super().__init__()
+        self.register_buffer("base_scale", scale.detach().float().clone())
+        self.log_gain = nn.Parameter(torch.zeros(len(scale)))
+        self.register_buffer("zero_point", torch.zeros(len(scale), dtype=torch.int32))
+        self.quant_min, self.quant_max, self.ch_axis = quant_min, quant_max, 0
+        self.dtype, self.qscheme = torch.qint8, torch.per_channel_symmetric
+
+    def _scale(self) -> torch.Tensor:
+        return self.base_scale * self.log_gain.exp()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale().detach()
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.scale, self.zero_point
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not bool(self.fake_quant_enabled[0]):
+            return w
+        if not (torch.is_grad_enabled() and self.log_gain.requires_grad):
+            return torch.fake_quantize_per_channel_affine(
+                w, self.scale, self.zero_point, 0, self.quant_min, self.quant_max
+            )
+        s = self._scale().reshape(-1, *([1] * (w.dim() - 1)))
+        return _fake_quant_lsq(w, s, torch.zeros_like(s), self.quant_min, self.quant_max)

@@ -3,6 +3,7 @@ PTQ and QAT, with metric, fidelity, latency (measured interleaved), size and INT
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from ...errors import error_text, is_user_error
 from ...task import Inputs
 from ..quant.auto import Search, Trial, mixed_precision
 from ..quant.calibrate import calibrate
-from ..quant.config import QuantizeConfig, QuantSpec
+from ..quant.config import CalibrationName, QuantizeConfig, QuantSpec
 from ..quant.plan import resolve_plan
 from ..quant.prepare import prepare
 from .fakequant import FakeQuantFormat
@@ -31,25 +32,42 @@ class PtqRows:
     full: Trial | None = None
     mixed: Trial | None = None
     notes: list[str] = field(default_factory=list)
+    # all INT8 again, calibrated as QAT's ranges start (entropy, percentile): the best PTQ of the
+    # format, so that a recovery is also given against it, not only against MinMax
+    calibrated: Trial | None = None
+    calibration: str = "minmax"
 
 
 def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
     return (inputs for inputs, _ in ctx.task.eval_data())
 
 
-def ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRows:
+def ptq_rows(
+    ctx: StepContext,
+    cand: Candidate,
+    fmt: FakeQuantFormat,
+    calibration: CalibrationName = "minmax",
+    percentile: float = 99.99,
+) -> PtqRows:
     """Full static INT8 (every compute node, MinMax calibration, the QAT format and op placement) of ``cand``'s
-    float graph, and mixed precision from it when it misses the budget. A failure here costs the
+    float graph, and mixed precision from it when it misses the budget; with another
+    ``calibration`` (QAT's), full INT8 calibrated that way too. A failure here costs the
     comparison, never the QAT candidate."""
     try:
-        return _ptq_rows(ctx, cand, fmt)
+        return _ptq_rows(ctx, cand, fmt, calibration, percentile)
     except Exception as err:
         if is_user_error(err):
             raise
         return PtqRows(notes=[f"post-training comparison not built: {error_text(err)}"])
 
 
-def _ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRows:
+def _ptq_rows(
+    ctx: StepContext,
+    cand: Candidate,
+    fmt: FakeQuantFormat,
+    calibration: CalibrationName,
+    percentile: float,
+) -> PtqRows:
     qcfg = ctx.recipe.step_config(QuantizeConfig)
     prepared = prepare(
         quantizable_graph(cand),
@@ -63,7 +81,8 @@ def _ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRow
         ctx.task.calibration_data(),
         ctx.workdir / "ptq-calibration",
         samples=qcfg.samples,
-        methods={"minmax"},
+        methods={"minmax", calibration},
+        percentile=percentile,
         symmetric=qcfg.activation_symmetric,
         chunk_mb=qcfg.calibration_chunk_mb,
         threads=ctx.threads,
@@ -77,7 +96,10 @@ def _ptq_rows(ctx: StepContext, cand: Candidate, fmt: FakeQuantFormat) -> PtqRow
         mode="static", calibration="minmax", reduce_range=fmt.reduce_range, ops=fmt.ops
     )
     full = s.judge(s.build(spec, plan, "-full"))
-    rows = PtqRows(full=full)
+    rows = PtqRows(full=full, calibration=calibration)
+    if calibration != "minmax":
+        other = dataclasses.replace(spec, calibration=calibration, percentile=percentile)
+        rows.calibrated = s.judge(s.build(other, plan, f"-full-{calibration}"))
     if full.failure is None and not full.budget_ok and qcfg.mixed_precision:
         rows.mixed = mixed_precision(s, full)
     return rows
@@ -110,11 +132,17 @@ def compare_rows(
     }
     cands: dict[str, Candidate] = {"fp32": ctx.baseline}
     ptq = ptq or PtqRows()
-    for key, trial in (("ptq_full", ptq.full), ("ptq_mixed", ptq.mixed)):
+    for key, trial in (
+        ("ptq_full", ptq.full),
+        ("ptq_mixed", ptq.mixed),
+        ("ptq_full_calibrated", ptq.calibrated),
+    ):
         if trial is None or trial.failure is not None:
             continue
         rows[key] = {**_row(trial.name, trial.label, trial.quality, trial.kernels)}
         rows[key]["budget_ok"] = trial.budget_ok
+        if key == "ptq_full_calibrated":
+            rows[key]["label"] = f"full INT8 PTQ, {ptq.calibration} calibration"
         cands[key] = Candidate(trial.name, "quantize", None, onnx=trial.path)
     rows["qat"] = _row(qat.name, "QAT", quality, kernels)
     cands["qat"] = qat
@@ -147,15 +175,20 @@ def _p50(row: dict[str, Any] | None) -> float | None:
 
 
 def _verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Recovered share of what full PTQ lost (metric and cosine), QAT latency against full PTQ
+    """Recovered share of what full PTQ lost (metric and cosine; also against full PTQ with
+    QAT's calibration, ``..._vs_calibrated``, where it was built), QAT latency against full PTQ
     (within 10%) and against mixed precision (faster)."""
     out: dict[str, Any] = {}
     fp32, full, mixed, qat = rows["fp32"], rows.get("ptq_full"), rows.get("ptq_mixed"), rows["qat"]
-    if full is not None and qat.get("metric") is not None and full.get("metric") is not None:
+    for ptq_key, suffix in (("ptq_full", ""), ("ptq_full_calibrated", "_vs_calibrated")):
+        ptq = rows.get(ptq_key)
+        if ptq is None or qat.get("metric") is None or ptq.get("metric") is None:
+            continue
         for key in ("metric", "cosine_mean"):
-            lost = fp32[key] - full[key]
-            out[f"{key}_lost_by_ptq"] = lost
-            out[f"{key}_recovered_share"] = (qat[key] - full[key]) / lost if lost > 0 else None
+            lost = fp32[key] - ptq[key]
+            out[f"{key}_lost_by_ptq{suffix}"] = lost
+            share = (qat[key] - ptq[key]) / lost if lost > 0 else None
+            out[f"{key}_recovered_share{suffix}"] = share
     q, f, m = _p50(qat), _p50(full), _p50(mixed)
     if q is not None and f is not None:
         out["latency_vs_ptq_full"] = q / f

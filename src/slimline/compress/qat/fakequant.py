@@ -24,6 +24,7 @@ import numpy as np
 from ...cpu import CpuInt8
 
 __all__ = [
+    "CalibrationMethod",
     "FakeQuantFormat",
     "calibrate",
     "export_module_for",
@@ -31,7 +32,9 @@ __all__ = [
     "format_for",
     "freeze_bn",
     "freeze_observers",
+    "learn_ranges",
     "prepare",
+    "range_parameters",
 ]
 
 
@@ -164,32 +167,100 @@ def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
 
 
 def fake_quant_modules(model: Any) -> dict[str, Any]:
-    from torch.ao.quantization import FakeQuantize
+    from torch.ao.quantization import FakeQuantizeBase
 
-    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantize)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantizeBase)}
 
 
-def calibrate(model: Any, batches: Iterable[dict[str, np.ndarray]], samples: int) -> int:
-    """Set every activation range to the min / max over ``samples`` calibration rows (what
-    post-training MinMax calibration computes), then enable fake quantization. Weight ranges
-    follow the weights. Runs in eval mode (BatchNorm running statistics, as deployed); returns
-    the rows seen."""
+def learn_ranges(model: Any, weights: bool = False) -> int:
+    """Make every activation range of the calibrated fake-quant ``model`` trainable: each
+    activation fake quant becomes a :class:`._modules.LearnedRange` that starts at its
+    calibrated scale and zero point; with ``weights``, each weight fake quant becomes a
+    :class:`._modules.LearnedWeightRange` starting at its current per-channel scales. Returns
+    how many fake quants now learn."""
+    from ._modules import LearnedRange, LearnedWeightRange
+
+    count = 0
+    for name, fq in list(fake_quant_modules(model).items()):
+        if isinstance(fq, (LearnedRange, LearnedWeightRange)):
+            continue
+        if _is_weight(fq):
+            if weights:
+                new = LearnedWeightRange(fq.scale, int(fq.quant_min), int(fq.quant_max))
+                new.fake_quant_enabled.copy_(fq.fake_quant_enabled)
+                _replace(model, name, new)
+                count += 1
+            continue
+        learned = LearnedRange(
+            float(fq.scale.reshape(-1)[0]),
+            int(fq.zero_point.reshape(-1)[0]),
+            int(fq.quant_min),
+            int(fq.quant_max),
+        )
+        learned.fake_quant_enabled.copy_(fq.fake_quant_enabled)
+        _replace(model, name, learned)
+        count += 1
+    return count
+
+
+def range_parameters(model: Any) -> list[Any]:
+    """The trainable range parameters (:func:`learn_ranges`) of ``model``."""
+    from ._modules import LearnedRange, LearnedWeightRange
+
+    kinds = (LearnedRange, LearnedWeightRange)
+    return [m.log_gain for m in model.modules() if isinstance(m, kinds)]
+
+
+def _replace(model: Any, name: str, new: Any) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _fixed_range(learned: Any) -> Any:
+    """A plain fake quant (observer off) with a learned range's final scale and zero point: the
+    form the TorchScript exporter writes as QuantizeLinear / DequantizeLinear."""
+    import torch
+    from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
+
+    fixed = FakeQuantize(  # type: ignore[no-untyped-call]
+        observer=MovingAverageMinMaxObserver,
+        quant_min=learned.quant_min,
+        quant_max=learned.quant_max,
+        dtype=torch.quint8,
+        qscheme=torch.per_tensor_affine,
+    )
+    fixed.scale.resize_(1).copy_(learned.scale)
+    fixed.zero_point.resize_(1).copy_(learned.zero_point)
+    fixed.fake_quant_enabled.copy_(learned.fake_quant_enabled)
+    fixed.disable_observer()
+    return fixed
+
+
+CalibrationMethod = Literal["minmax", "entropy", "percentile"]
+
+
+def calibrate(
+    model: Any,
+    batches: Iterable[dict[str, np.ndarray]],
+    samples: int,
+    method: CalibrationMethod = "minmax",
+    percentile: float = 99.99,
+) -> int:
+    """Set every activation range from ``samples`` calibration rows, then enable fake
+    quantization: the min / max (``minmax``, what post-training MinMax calibration computes), or
+    the thresholds ONNX Runtime's histogram calibrators choose (``entropy``: least KL divergence;
+    ``percentile``: the central ``percentile`` % of the values), from the same histograms the
+    ``quantize`` step's calibration builds; their observers are switched off at once (a moving
+    min / max would pull the range back to the outliers). Weight ranges follow the weights
+    until :func:`freeze_observers`. Runs in eval mode
+    (BatchNorm running statistics, as deployed); returns the rows seen."""
     import torch
     from torch.ao.quantization import enable_fake_quant
 
     acts = {n: m for n, m in fake_quant_modules(model).items() if not _is_weight(m)}
-    lo: dict[str, float] = {}
-    hi: dict[str, float] = {}
-
-    def track(name: str) -> Any:
-        def hook(module: Any, args: Any) -> None:
-            x = args[0].detach()
-            lo[name] = min(lo.get(name, 0.0), float(x.min()))  # ranges always include 0
-            hi[name] = max(hi.get(name, 0.0), float(x.max()))
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(track(n)) for n, m in acts.items()]
+    ranges = _Ranges(method, percentile, samples)
+    handles = [m.register_forward_pre_hook(ranges.hook(n)) for n, m in acts.items()]
     was_training, seen = model.training, 0
     model.eval()
     try:
@@ -204,11 +275,60 @@ def calibrate(model: Any, batches: Iterable[dict[str, np.ndarray]], samples: int
         for h in handles:
             h.remove()
         model.train(was_training)
-    for name, m in acts.items():
-        if name in lo:
-            _set_range(m, lo[name], hi[name])
+    for name, (lo, hi) in ranges.result().items():
+        if name in acts:
+            _set_range(acts[name], lo, hi)
+            if method != "minmax":  # a moving min / max would drift back to the outliers
+                acts[name].disable_observer()
     model.apply(enable_fake_quant)
     return seen
+
+
+class _Ranges:
+    """Per-tensor ranges of the activations a calibration pass sees (always including 0)."""
+
+    def __init__(self, method: CalibrationMethod, percentile: float, samples: int) -> None:
+        self.method, self.samples = method, samples
+        self.lo: dict[str, float] = {}
+        self.hi: dict[str, float] = {}
+        self.collector: Any = None
+        if method != "minmax":
+            from onnxruntime.quantization.calibrate import HistogramCollector
+
+            from ..quant.calibrate import ENTROPY_BINS, HISTOGRAM_BINS
+
+            bins = ENTROPY_BINS if method == "entropy" else HISTOGRAM_BINS
+            # the arguments the quantize step's calibration passes (asymmetric U8 activations)
+            self.collector = HistogramCollector(method, False, bins, 128, percentile, "same")
+
+    def hook(self, name: str) -> Any:
+        def record(module: Any, args: Any) -> None:
+            x = args[0].detach()
+            self.lo[name] = min(self.lo.get(name, 0.0), float(x.min()))
+            self.hi[name] = max(self.hi.get(name, 0.0), float(x.max()))
+            if self.collector is not None:
+                self._histogram(name, x.float().numpy())
+
+        return record
+
+    def _histogram(self, name: str, arr: np.ndarray) -> None:
+        from ..quant.calibrate import bound_bins, hist_limit, subsample
+
+        sub = {name: subsample(arr, hist_limit(len(arr), self.samples))}
+        bound_bins(self.collector, sub)
+        with contextlib.redirect_stdout(None):  # the collector prints per call
+            self.collector.collect(sub)
+
+    def result(self) -> dict[str, tuple[float, float]]:
+        if self.collector is None or not self.collector.histogram_dict:
+            return {n: (self.lo[n], self.hi[n]) for n in self.lo}
+        with contextlib.redirect_stdout(None):
+            found = self.collector.compute_collection_result()
+        out: dict[str, tuple[float, float]] = {}
+        for name, res in found.items():
+            lo, hi = float(res[0]), float(res[1])
+            out[name] = (min(lo, 0.0), max(hi, 0.0))
+        return out
 
 
 def _is_weight(fq: Any) -> bool:
@@ -301,15 +421,18 @@ def export_module_for(model: Any) -> Any:
     """An eval-mode copy of the fake-quant ``model`` that computes the same function in the form
     the QDQ export needs: BatchNorm folded into each convolution, each weight on its learned
     INT8 grid, activation fake quants as they are (observers off)."""
+    from ._modules import LearnedRange
+
     out = copy.deepcopy(model).eval()
     freeze_observers(out)
     for name, module in list(out.named_modules()):
-        new = _export_replacement(module)
-        if new is None:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = out.get_submodule(parent_name) if parent_name else out
-        setattr(parent, child, new)
+        new = (
+            _fixed_range(module)
+            if isinstance(module, LearnedRange)
+            else _export_replacement(module)
+        )
+        if new is not None:
+            _replace(out, name, new)
     left = [n for n, fq in fake_quant_modules(out).items() if _is_weight(fq)]
     if left:
         raise TypeError(f"weight fake quants of unsupported modules left: {', '.join(left)}")

@@ -1,10 +1,12 @@
 """The ``qat`` step: quantization-aware fine-tuning by distillation, exported as QDQ ONNX.
 
 A fake-quant copy of the candidate's torch model simulates the INT8 format the ``quantize`` step
-deploys on this CPU (:func:`.fakequant.format_for`); its ranges start from post-training MinMax
-calibration; it learns from the FP32 teacher with :func:`..finetune.distill` (softened logits
-plus the task loss where there are labels, output losses otherwise) at a small learning rate.
-BatchNorm statistics and the range observers freeze after configurable steps. Training is
+deploys on this CPU (:func:`.fakequant.format_for`); its ranges start from post-training
+calibration (MinMax, Entropy or Percentile: ``calibration``) and, with ``learn_ranges``, train
+with the weights (LSQ); it learns from the FP32 teacher with :func:`..finetune.distill`
+(softened logits plus the task loss where there are labels, output losses otherwise) at a small
+learning rate. BatchNorm statistics and the range observers freeze after configurable steps.
+Training is
 checkpointed at every held-out evaluation in a work directory of the step cache, so a killed run
 continues inside the step. The export is verified three ways: ONNX Runtime against the
 fake-quant model (cosine), the kernels ONNX Runtime runs (fallback detection), and latency
@@ -87,6 +89,32 @@ class QatConfig(StepConfig):
         100, ge=0, description="steps after which the ranges freeze (null: never)"
     )
     calibration_samples: int = Field(512, ge=1, le=100_000, description="rows for the ranges")
+    calibration: fq.CalibrationMethod = Field(
+        "minmax",
+        description="how the activation ranges start: min / max of the calibration rows "
+        "(minmax), or the threshold of least KL divergence (entropy) or the central percentile "
+        "(percentile) of their histograms, as the quantize step's calibration computes them",
+    )
+    percentile: float = Field(
+        99.99, gt=90.0, lt=100.0, description="for calibration: percentile (as quantize's)"
+    )
+    learn_ranges: bool = Field(
+        False,
+        description="train the activation ranges with the weights (LSQ: the scale is a "
+        "parameter with the straight-through gradient), starting from the calibrated ones",
+    )
+    learn_weight_ranges: bool = Field(
+        False,
+        description="with learn_ranges: train the weights' per-channel scales too (LSQ), "
+        "starting from their min / max",
+    )
+    range_lr: float = Field(
+        1e-3,
+        gt=0.0,
+        le=1.0,
+        description="learning rate of the learned ranges' log-scales (a step changes a scale by "
+        "about this share of itself); only with learn_ranges",
+    )
     check_samples: int = Field(64, ge=1, le=10_000, description="rows for the export check")
     min_export_cosine: float = Field(0.999, gt=0.0, le=1.0)
     compare_ptq: bool = Field(
@@ -123,6 +151,16 @@ class QatHooks(DistillHooks):
         self.observers_frozen_at: int | None = None
         self.losses: deque[float] = deque(maxlen=cfg.freeze_bn_on_oscillation or MIN_WINDOW)
         self._applied: set[str] = set()  # what this student has had frozen
+
+    def param_groups(self, student: Any, params: list[Any]) -> list[dict[str, Any]]:
+        """The learned ranges' log-scales train at ``range_lr``, the weights at the run's."""
+        ranges = {id(p) for p in fq.range_parameters(student)}
+        weights = [p for p in params if id(p) not in ranges]
+        learned = [p for p in params if id(p) in ranges]
+        groups: list[dict[str, Any]] = [{"params": weights}]
+        if learned:
+            groups.append({"params": learned, "lr": self.cfg.range_lr})
+        return groups
 
     def before_forward(self, step: int, student: Any) -> None:
         bn, obs = self.cfg.freeze_bn_after, self.cfg.freeze_observers_after
@@ -224,7 +262,14 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         ctx.warn(note)
     example = to_tensors(ctx.task.sample_inputs(2))
     student = fq.prepare(module, example, fmt)
-    rows = fq.calibrate(student, ctx.task.calibration_data(), cfg.calibration_samples)
+    rows = fq.calibrate(
+        student,
+        ctx.task.calibration_data(),
+        cfg.calibration_samples,
+        cfg.calibration,
+        cfg.percentile,
+    )
+    learned = fq.learn_ranges(student, cfg.learn_weight_ranges) if cfg.learn_ranges else 0
     hooks = QatHooks(cfg)
     ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
     ft = distill(
@@ -246,6 +291,8 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         "record": {
             "format": fmt.to_dict(),
             "calibration_rows": rows,
+            "calibration": cfg.calibration,
+            "learned_ranges": learned,
             "data": source,
             "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
             "history": ft.history,
@@ -387,7 +434,7 @@ def run_qat(
     kernels = kernel_report(path, ctx.threads)
     qat = Candidate("qat", "qat", cand.name, onnx=path)
     if ptq is None and cfg.compare_ptq and cand.onnx is not None:
-        ptq = ptq_rows(ctx, cand, trained["format"])
+        ptq = ptq_rows(ctx, cand, trained["format"], cfg.calibration, cfg.percentile)
     table = compare_rows(ctx, qat, kernels, ptq)
     shutil.rmtree(state, ignore_errors=True)
     meta = {
@@ -406,7 +453,9 @@ def run_qat(
 @step(
     QatConfig,
     contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
-    version=2,  # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear
+    # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear; 3: calibration
+    # and learn_ranges (the record names both)
+    version=3,
     reads=("target", "budget", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )

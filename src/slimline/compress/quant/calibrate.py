@@ -489,3 +489,12 @@ def _representativeness(
         ],
         "tensors_checked": len(names),
     }
+
+
+# The histogram settings and helpers, for the qat step's calibration of a torch model's fake
+# quantization from the same estimators (compress/qat/fakequant.py)
+HISTOGRAM_BINS = _BINS
+ENTROPY_BINS = _ENTROPY_BINS
+bound_bins = _bound_bins
+hist_limit = _hist_limit
+subsample = _subsample
