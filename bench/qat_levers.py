@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--lr-scale", type=float, default=0.02)
-    p.add_argument("--loss", choices=["cosine", "mse"], default="cosine")
+    p.add_argument("--loss", choices=["cosine", "mse", "bce"], default="cosine")
     p.add_argument("--freeze-observers-after", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, required=True)

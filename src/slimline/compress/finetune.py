@@ -63,7 +63,12 @@ class FinetuneConfig(Config):
     alpha: float = Field(
         0.7, ge=0.0, le=1.0, description="weight of distillation vs task loss where labels exist"
     )
-    embedding_loss: Literal["cosine", "mse"] = "cosine"
+    embedding_loss: Literal["cosine", "mse", "bce"] = Field(
+        "cosine",
+        description="loss between non-logit outputs: cosine, mse, or bce (outputs that are "
+        "probabilities, e.g. a segmentation map after its sigmoid: binary cross-entropy "
+        "against the teacher's probabilities)",
+    )
     features: str | None = Field(
         None,
         description="regex (full match) of module names whose outputs the student also learns "
@@ -270,6 +275,8 @@ def distill_loss(
         ) * (temp * temp)
     elif cfg.embedding_loss == "cosine":
         kd = 1.0 - F.cosine_similarity(s.reshape(len(s), -1), t.reshape(len(t), -1), dim=1).mean()
+    elif cfg.embedding_loss == "bce":
+        kd = _soft_bce(s, t)
     else:
         kd = F.mse_loss(s, t)
     if labels is None:
@@ -281,6 +288,21 @@ def distill_loss(
         ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), lab.reshape(-1).long())
         return cfg.alpha * kd + (1.0 - cfg.alpha) * ce
     return kd
+
+
+def _soft_bce(student: Any, teacher: Any) -> Any:
+    """Binary cross-entropy of probability outputs against the teacher's probabilities (minus
+    the teacher's own entropy, so that a perfect student scores 0)."""
+    import torch.nn.functional as F
+
+    if float(student.detach().min()) < 0.0 or float(student.detach().max()) > 1.0:
+        raise RecipeError(
+            "finetune.embedding_loss 'bce' needs outputs in [0, 1] (probabilities); this "
+            "model's are not: use 'cosine' or 'mse'"
+        )
+    eps = 1e-6
+    s, t = student.clamp(eps, 1.0 - eps), teacher.clamp(eps, 1.0 - eps)
+    return F.binary_cross_entropy(s, t) - F.binary_cross_entropy(t, t)
 
 
 class FeatureTap:

@@ -30,6 +30,7 @@ from ...candidate import Candidate
 from ...context import StepContext
 from ...cpu import detect as detect_cpu
 from ...errors import DataError, ExportError, StepError, error_text
+from ...measure.quality import fidelity
 from ...module_guard import private_copy, torch_threads
 from ...recipe import StepConfig
 from ...steps import Contract, step
@@ -390,10 +391,40 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
 
 
+NOISE = 1e-6  # the input perturbation of the noise floor, relative to each input's spread
+
+
+def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> float:
+    """Mean cosine of the fake-quant model's outputs on ``sample`` to its outputs on ``sample``
+    plus Gaussian noise of ``NOISE`` times each float input's standard deviation: how far two
+    float implementations that differ only in rounding can be expected to disagree through
+    this model. A quantized model is a step function: where a value sits near a rounding
+    boundary, a change in the 6th digit moves it a whole step, and a deep network can amplify
+    that step. 1.0 when no input is floating point."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    noisy = {}
+    for k, v in sample.items():
+        if np.issubdtype(v.dtype, np.floating):
+            spread = float(np.std(v)) or 1.0
+            v = (v + rng.standard_normal(v.shape) * NOISE * spread).astype(v.dtype)
+        noisy[k] = v
+    if all(noisy[k] is sample[k] for k in sample):
+        return 1.0
+    with torch.no_grad():
+        moved = model(**to_tensors(noisy)).float().numpy()
+    return float(fidelity(moved, ref, logits=False)["cosine_mean"] or 0.0)
+
+
 def _verify(
     model: Any, path: Path, sample: dict[str, np.ndarray], cfg: QatConfig, threads: int
 ) -> dict[str, Any]:
-    """ONNX Runtime's outputs against the fake-quant model's (cosine per row)."""
+    """ONNX Runtime's outputs against the fake-quant model's (cosine per row). The export
+    passes at ``min_export_cosine``, or where ONNX Runtime disagrees with the fake-quant model
+    no more than the fake-quant model disagrees with itself under rounding-sized input noise
+    (:func:`_noise_floor`), with the same slack: a different summation order cannot do better
+    than that, and a wrong export (a missing Q/DQ pair, a wrong scale) does far worse."""
     import torch
 
     from ...measure.runners import ort_session
@@ -402,21 +433,31 @@ def _verify(
         ref = model(**to_tensors(sample)).float().numpy()
     sess = ort_session(path, threads)
     got = sess.run(None, {k: np.ascontiguousarray(v) for k, v in sample.items()})[0]
-    a, b = ref.reshape(len(ref), -1), got.reshape(len(got), -1)
-    cos = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    agree = fidelity(got, ref, logits=False)
     out: dict[str, Any] = {
-        "rows": len(a),
-        "cosine_mean": float(cos.mean()),
-        "cosine_min": float(cos.min()),
-        "max_abs_err": float(np.abs(a - b).max()),
+        "rows": len(ref),
+        **{k: agree[k] for k in ("cosine_mean", "cosine_min", "max_abs_err")},
         "exporter": "torchscript (torch.onnx.export dynamo=False)",
+        "bound": cfg.min_export_cosine,
     }
-    if out["cosine_mean"] < cfg.min_export_cosine:
-        raise StepError(
-            f"ONNX Runtime's outputs of the QDQ export differ from the fake-quant model: mean "
-            f"cosine {out['cosine_mean']:.5f} < {cfg.min_export_cosine}"
-        )
-    return out
+    cosine = out["cosine_mean"] or 0.0
+    if cosine >= cfg.min_export_cosine:
+        return {**out, "passed_by": "bound"}
+    floor = _noise_floor(model, sample, ref)
+    out["noise_floor_cosine"] = floor
+    if export_passes(cosine, floor, cfg.min_export_cosine):
+        return {**out, "passed_by": "noise floor"}
+    raise StepError(
+        f"ONNX Runtime's outputs of the QDQ export differ from the fake-quant model: mean "
+        f"cosine {cosine:.5f} < {cfg.min_export_cosine}, and below what the fake-quant model "
+        f"gives itself under input noise of {NOISE:g} of its spread ({floor:.5f})"
+    )
+
+
+def export_passes(cosine: float, noise_floor: float, bound: float) -> bool:
+    """The export check's rule: at ``bound``, or within the same slack (``1 - bound``) of the
+    model's own agreement under rounding-sized input noise."""
+    return cosine >= bound or cosine >= noise_floor - (1.0 - bound)
 
 
 def run_qat(
