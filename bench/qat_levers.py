@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learn-ranges", action="store_true")
     p.add_argument("--range-lr", type=float, default=1e-3)
     p.add_argument("--learn-weight-ranges", action="store_true")
+    p.add_argument("--learn-zero-points", action="store_true")
+    p.add_argument("--offset-lr", type=float, default=0.5, help="zero points: steps per step")
+    p.add_argument("--features", default=None, help="finetune.features regex")
     p.add_argument("--quantize-ops", choices=["all", "compute"], default="compute")
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=20)
@@ -119,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     fq.calibrate(student, task.calibration_data(), 512, args.calibration)
     if args.freeze_observers_after == 0:  # else the observers follow the evaluation rows too
         fq.freeze_observers(student)
-    learned = fq.learn_ranges(student, args.learn_weight_ranges) if args.learn_ranges else 0
+    learned = (
+        fq.learn_ranges(student, args.learn_weight_ranges, args.learn_zero_points)
+        if args.learn_ranges
+        else 0
+    )
     rows: list[dict[str, Any]] = [
         {"step": 0, **_evaluate(student, teacher, task), "s": time.perf_counter() - t0}
     ]
@@ -134,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
         def param_groups(self, st: Any, params: list[Any]) -> list[dict[str, Any]]:
             ranges = {id(q) for q in fq.range_parameters(st)}
-            rest = [q for q in params if id(q) not in ranges]
+            offsets = {id(q) for q in fq.offset_parameters(st)}
+            rest = [q for q in params if id(q) not in ranges | offsets]
             own = [q for q in params if id(q) in ranges]
-            return [{"params": rest}] + ([{"params": own, "lr": args.range_lr}] if own else [])
+            offs = [q for q in params if id(q) in offsets]
+            return (
+                [{"params": rest}]
+                + ([{"params": own, "lr": args.range_lr}] if own else [])
+                + ([{"params": offs, "lr": args.offset_lr}] if offs else [])
+            )
 
     def evaluate_at(step: int, loss: float) -> None:
         if step % args.eval_every == 0 or step == args.steps:
@@ -158,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             eval_every=args.steps,
             patience=99,
             embedding_loss=args.loss,
+            features=args.features,
             progress=False,
             val_batches=1,
         )

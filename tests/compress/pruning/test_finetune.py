@@ -361,3 +361,16 @@ def test_dropout_off_while_distilling_and_restored_after() -> None:
     assert runs[False] == [True] * 4 and runs[True] == [False] * 4
     assert "dropout" not in FinetuneConfig().key_dict()  # the default keeps old cache keys
     assert FinetuneConfig(dropout=False).key_dict()["dropout"] is False
+
+
+def test_bce_distillation_of_probabilities_is_zero_at_the_teacher_and_checks_the_range() -> None:
+    from slimline.errors import RecipeError
+
+    cfg = FinetuneConfig(embedding_loss="bce")
+    t = torch.tensor([[0.1, 0.9, 0.5, 1e-9]])
+    assert float(distill_loss(t.clone(), t, None, "other", cfg)) == pytest.approx(0.0, abs=1e-6)
+    near = float(distill_loss(torch.tensor([[0.1, 0.8, 0.5, 1e-9]]), t, None, "other", cfg))
+    far = float(distill_loss(torch.tensor([[0.1, 0.3, 0.5, 1e-9]]), t, None, "other", cfg))
+    assert 0.0 < near < far
+    with pytest.raises(RecipeError, match="probabilities"):
+        distill_loss(torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 0.5]]), None, "other", cfg)

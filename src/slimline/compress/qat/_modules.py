@@ -78,42 +78,40 @@ class QLinear(_QWeight):
         return self.activation(F.linear(x, self.quantized_weight(), self.bias))
 
 
-def _round_ste(x: torch.Tensor) -> torch.Tensor:
-    """Round to nearest (ties to even, as ``fake_quantize_per_tensor_affine``) with the
-    straight-through gradient."""
-    return x + (torch.round(x) - x).detach()
-
-
-def _fake_quant_lsq(
-    x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int
-) -> torch.Tensor:
-    """``fake_quantize_*_affine``'s arithmetic (``x * (1 / scale)`` rounded, the zero point
-    added, clamped, rescaled) written in differentiable ops: the straight-through estimator
-    through the rounding, the exact gradient through the clamp and the rescale, for ``scale``
-    as for ``x`` (LSQ)."""
-    q = torch.clamp(_round_ste(x * (1.0 / scale)) + zp, qmin, qmax)
-    return (q - zp) * scale
-
-
 class LearnedRange(FakeQuantizeBase):
     """Per-tensor affine fake quantization of an activation whose scale is trained with the
-    model (LSQ, Esser et al. 2020). The scale is the calibrated one times ``exp(log_gain)``,
+    model (LSQ, Esser et al. 2020), through torch's LSQ kernel
+    (``torch._fake_quantize_learnable_per_tensor_affine``: the straight-through estimator
+    through the rounding, the exact gradient through the clamp and the rescale; the forward is
+    ``fake_quantize_per_tensor_affine``'s, bit for bit). The scale is the calibrated one times ``exp(log_gain)``,
     the gain starting at exactly 1: an optimizer step changes the scale by a share of itself,
     whatever the activation's magnitude, and at the start the module computes bit for bit what
     the calibrated fake quant computed. The zero point stays where the calibration put it. Under
     ``torch.no_grad`` (evaluation, export) it runs ``fake_quantize_per_tensor_affine`` with the
     current scale, the op the QDQ export writes."""
 
-    zero_point: torch.Tensor
     base_scale: torch.Tensor
 
-    def __init__(self, scale: float, zero_point: int, quant_min: int, quant_max: int) -> None:
+    def __init__(
+        self,
+        scale: float,
+        zero_point: int,
+        quant_min: int,
+        quant_max: int,
+        learn_zero_point: bool = False,
+    ) -> None:
         super().__init__()
         self.register_buffer("base_scale", torch.tensor([scale], dtype=torch.float32))
         self.log_gain = nn.Parameter(torch.zeros(1))
-        self.register_buffer("zero_point", torch.tensor([zero_point], dtype=torch.int32))
+        # the offset in quantization steps (LSQ+): rounded to the integer zero point it deploys
+        self.offset = nn.Parameter(torch.tensor([float(zero_point)]), learn_zero_point)
         self.quant_min, self.quant_max = quant_min, quant_max
         self.dtype, self.qscheme = torch.quint8, torch.per_tensor_affine
+
+    @property
+    def zero_point(self) -> torch.Tensor:
+        zp = self.offset.detach().round().clamp(self.quant_min, self.quant_max)
+        return zp.to(torch.int32)
 
     def _scale(self) -> torch.Tensor:
         return self.base_scale * self.log_gain.exp()
@@ -132,8 +130,9 @@ class LearnedRange(FakeQuantizeBase):
             return torch.fake_quantize_per_tensor_affine(
                 x, self.scale, self.zero_point, self.quant_min, self.quant_max
             )
-        zp = self.zero_point.float()
-        return _fake_quant_lsq(x, self._scale(), zp, self.quant_min, self.quant_max)
+        return torch._fake_quantize_learnable_per_tensor_affine(
+            x, self._scale(), self.offset, self.quant_min, self.quant_max, 1.0
+        )
 
 
 class LearnedWeightRange(FakeQuantizeBase):
@@ -169,5 +168,7 @@ class LearnedWeightRange(FakeQuantizeBase):
             return torch.fake_quantize_per_channel_affine(
                 w, self.scale, self.zero_point, 0, self.quant_min, self.quant_max
             )
-        s = self._scale().reshape(-1, *([1] * (w.dim() - 1)))
-        return _fake_quant_lsq(w, s, torch.zeros_like(s), self.quant_min, self.quant_max)
+        zp = self.zero_point.float()
+        return torch._fake_quantize_learnable_per_channel_affine(
+            w, self._scale(), zp, 0, self.quant_min, self.quant_max, 1.0
+        )

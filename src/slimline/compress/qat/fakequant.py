@@ -172,7 +172,7 @@ def fake_quant_modules(model: Any) -> dict[str, Any]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantizeBase)}
 
 
-def learn_ranges(model: Any, weights: bool = False) -> int:
+def learn_ranges(model: Any, weights: bool = False, zero_points: bool = False) -> int:
     """Make every activation range of the calibrated fake-quant ``model`` trainable: each
     activation fake quant becomes a :class:`._modules.LearnedRange` that starts at its
     calibrated scale and zero point; with ``weights``, each weight fake quant becomes a
@@ -196,6 +196,7 @@ def learn_ranges(model: Any, weights: bool = False) -> int:
             int(fq.zero_point.reshape(-1)[0]),
             int(fq.quant_min),
             int(fq.quant_max),
+            zero_points,
         )
         learned.fake_quant_enabled.copy_(fq.fake_quant_enabled)
         _replace(model, name, learned)
@@ -209,6 +210,16 @@ def range_parameters(model: Any) -> list[Any]:
 
     kinds = (LearnedRange, LearnedWeightRange)
     return [m.log_gain for m in model.modules() if isinstance(m, kinds)]
+
+
+def offset_parameters(model: Any) -> list[Any]:
+    """The trainable zero points (offsets, in quantization steps) of ``model``'s learned
+    activation ranges (``learn_ranges(..., zero_points=True)``)."""
+    from ._modules import LearnedRange
+
+    return [
+        m.offset for m in model.modules() if isinstance(m, LearnedRange) and m.offset.requires_grad
+    ]
 
 
 def _replace(model: Any, name: str, new: Any) -> None:
