@@ -22,6 +22,7 @@ whole evaluation set.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from functools import cache
@@ -39,7 +40,8 @@ METRIC_NAME = "text_mask_iou"
 OUTPUT_KIND = "other"
 LEARNING_RATE = 1e-3  # QAT trains at its lr_scale of this
 
-SIDE, BATCH, THRESHOLD = 160, 4, 0.3
+SIDE, THRESHOLD = 160, 0.3
+BATCH = int(os.environ.get("PPOCR_BATCH", "4"))  # rows a batch (training steps see one)
 TRAIN_PAGES, CALIB_PAGES, EVAL_PAGES = 192, 16, 8
 
 

@@ -208,3 +208,42 @@ def test_recovery_is_also_given_against_ptq_with_qats_calibration() -> None:
     assert v["metric_recovered_share_vs_calibrated"] == pytest.approx(0.5)
     assert v["cosine_mean_recovered_share_vs_calibrated"] == pytest.approx(0.5)
     assert v["metric_lost_by_ptq_vs_calibrated"] == pytest.approx(0.2)
+
+
+def test_learned_zero_points_move_and_export_rounded(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    model = _prepared("minmax")
+    fq.freeze_observers(model)
+    assert fq.learn_ranges(model, zero_points=True) == 3
+    offsets = fq.offset_parameters(model)
+    assert len(offsets) == 3
+    start = [float(o.detach()) for o in offsets]
+    cfg = QatConfig(learn_ranges=True, learn_zero_points=True, offset_lr=2.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = QatHooks(cfg).param_groups(model, params)
+    assert [g.get("lr") for g in groups[1:]] == [cfg.range_lr, 2.0]
+    moved: list[list[float]] = []
+    data = [(b, None) for b in _outlier_batches(6)]
+    ft = FinetuneConfig(steps=6, eval_every=6, patience=5, val_batches=1, progress=False)
+    distill(
+        model,
+        _net(),
+        lambda: data,
+        ft,
+        output_kind="logits",
+        hooks=QatHooks(cfg),
+        on_step=lambda step, loss: moved.append([float(o.detach()) for o in offsets]),
+    )
+    assert any(abs(a - b) > 0.5 for a, b in zip(moved[-1], start, strict=True))
+    with torch.no_grad():  # a zero point off the integer grid: export and evaluation round it
+        offsets[1].add_(0.3)
+    x = _outlier_batches(1)[0]
+    exported = fq.export_module_for(model.eval())
+    with torch.no_grad():
+        want = model(torch.from_numpy(x["x"])).numpy()
+        torch.testing.assert_close(exported(torch.from_numpy(x["x"])).numpy(), want)
+    path = export_module(exported, x, tmp_path / "q.onnx")
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cos.mean() >= 0.999

@@ -109,6 +109,18 @@ class QatConfig(StepConfig):
         description="with learn_ranges: train the weights' per-channel scales too (LSQ), "
         "starting from their min / max",
     )
+    learn_zero_points: bool = Field(
+        False,
+        description="with learn_ranges: train the activations' zero points too (LSQ+ offsets, "
+        "rounded to integers for export), so a range can move, not only stretch",
+    )
+    offset_lr: float = Field(
+        0.2,
+        gt=0.0,
+        le=16.0,
+        description="learning rate of the learned zero points, in quantization steps a step; "
+        "only with learn_zero_points",
+    )
     range_lr: float = Field(
         1e-3,
         gt=0.0,
@@ -154,13 +166,16 @@ class QatHooks(DistillHooks):
         self._applied: set[str] = set()  # what this student has had frozen
 
     def param_groups(self, student: Any, params: list[Any]) -> list[dict[str, Any]]:
-        """The learned ranges' log-scales train at ``range_lr``, the weights at the run's."""
+        """The learned ranges' log-scales train at ``range_lr``, their zero points at
+        ``offset_lr``, the weights at the run's."""
         ranges = {id(p) for p in fq.range_parameters(student)}
-        weights = [p for p in params if id(p) not in ranges]
-        learned = [p for p in params if id(p) in ranges]
+        offsets = {id(p) for p in fq.offset_parameters(student)}
+        weights = [p for p in params if id(p) not in ranges | offsets]
         groups: list[dict[str, Any]] = [{"params": weights}]
-        if learned:
-            groups.append({"params": learned, "lr": self.cfg.range_lr})
+        for own, lr in ((ranges, self.cfg.range_lr), (offsets, self.cfg.offset_lr)):
+            learned = [p for p in params if id(p) in own]
+            if learned:
+                groups.append({"params": learned, "lr": lr})
         return groups
 
     def before_forward(self, step: int, student: Any) -> None:
@@ -270,7 +285,11 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         cfg.calibration,
         cfg.percentile,
     )
-    learned = fq.learn_ranges(student, cfg.learn_weight_ranges) if cfg.learn_ranges else 0
+    learned = (
+        fq.learn_ranges(student, cfg.learn_weight_ranges, cfg.learn_zero_points)
+        if cfg.learn_ranges
+        else 0
+    )
     hooks = QatHooks(cfg)
     ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
     ft = distill(
