@@ -50,8 +50,11 @@ def _qat_update(recipe: Any, finetune: dict[str, Any], qat_keys: dict[str, Any])
     from slimline.compress.qat.step import QatConfig
 
     qat = recipe.step_config(QatConfig)
-    ft = qat.finetune.model_copy(update=finetune)
-    new = qat.model_copy(update={"finetune": ft, **qat_keys})
+    qat_keys = dict(qat_keys)
+    ft_update = {**finetune, **qat_keys.pop("finetune", {})}
+    ft = type(qat.finetune).model_validate({**qat.finetune.model_dump(), **ft_update})
+    checked = QatConfig.model_validate({**qat.model_dump(), **qat_keys, "finetune": ft})
+    new = qat.model_copy(update={k: getattr(checked, k) for k in ("finetune", *qat_keys)})
     return recipe.model_copy(update={"steps": [new if s is qat else s for s in recipe.steps]})
 
 
@@ -100,6 +103,23 @@ def _run(
         run_recipe(recipe, out, cache=Path(fresh))
         wall = time.perf_counter() - t0
     return json.loads((out / "manifest.json").read_text()), wall
+
+
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs as qat step fields; ``finetune.X`` keys nest."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
+        head, _, sub = key.partition(".")
+        if sub:
+            out.setdefault(head, {})[sub] = yaml.safe_load(value)
+        else:
+            out[key] = yaml.safe_load(value)
+    return out
 
 
 def _qat(m: dict[str, Any]) -> dict[str, Any] | None:
@@ -225,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learn-weight-ranges", action="store_true", help="and the weight scales")
     p.add_argument("--range-lr", type=float, default=None, help="learning rate of the ranges")
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other qat step option (YAML value), e.g. learn_zero_points=true or "
+        "finetune.embedding_loss=bce; repeatable",
+    )
+    p.add_argument(
         "--no-mixed", action="store_true", help="skip the mixed-precision PTQ row (the slowest)"
     )
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
@@ -249,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 "learn_ranges": True if args.learn_ranges else None,
                 "learn_weight_ranges": True if args.learn_weight_ranges else None,
                 "range_lr": args.range_lr,
+                **_settings(args.set),
             },
             args.no_mixed,
         )
@@ -274,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if on
     ]
+    measured += [f"--set {kv}" for kv in args.set]
     text, doc = _report(m, wall, reproduce_command("qat_bench.py", measured))
     publish(text, doc, args.out)
     return 0

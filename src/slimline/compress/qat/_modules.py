@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,6 +80,14 @@ class QLinear(_QWeight):
         return self.activation(F.linear(x, self.quantized_weight(), self.bias))
 
 
+def _grad_scale(x: torch.Tensor, quant_max: int) -> float:
+    """LSQ's gradient scale for a step size, 1 / sqrt(values quantized with it x the largest
+    level): it keeps the step sizes' gradients on the weights' scale, so that clipping the
+    gradient norm of the whole model does not shrink the weights' gradients whenever a range
+    gradient is large."""
+    return 1.0 / math.sqrt(max(x.numel(), 1) * max(abs(quant_max), 1))
+
+
 class LearnedRange(FakeQuantizeBase):
     """Per-tensor affine fake quantization of an activation whose scale is trained with the
     model (LSQ, Esser et al. 2020), through torch's LSQ kernel
@@ -131,7 +141,12 @@ class LearnedRange(FakeQuantizeBase):
                 x, self.scale, self.zero_point, self.quant_min, self.quant_max
             )
         return torch._fake_quantize_learnable_per_tensor_affine(
-            x, self._scale(), self.offset, self.quant_min, self.quant_max, 1.0
+            x,
+            self._scale(),
+            self.offset,
+            self.quant_min,
+            self.quant_max,
+            _grad_scale(x, self.quant_max),
         )
 
 
@@ -170,5 +185,11 @@ class LearnedWeightRange(FakeQuantizeBase):
             )
         zp = self.zero_point.float()
         return torch._fake_quantize_learnable_per_channel_affine(
-            w, self._scale(), zp, 0, self.quant_min, self.quant_max, 1.0
+            w,
+            self._scale(),
+            zp,
+            0,
+            self.quant_min,
+            self.quant_max,
+            _grad_scale(w[0], self.quant_max),
         )
