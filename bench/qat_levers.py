@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--learn-zero-points", action="store_true")
     p.add_argument("--offset-lr", type=float, default=0.5, help="zero points: steps per step")
     p.add_argument("--features", default=None, help="finetune.features regex")
+    p.add_argument("--float-modules", default="", help="comma-separated modules left float")
     p.add_argument("--quantize-ops", choices=["all", "compute"], default="compute")
     p.add_argument("--steps", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=20)
@@ -115,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     task = importlib.import_module(args.task)
     teacher = task.model().eval()
-    fmt = fq.format_for(detect(), args.quantize_ops)
+    fmt = fq.format_for(
+        detect(), args.quantize_ops, tuple(m for m in args.float_modules.split(",") if m)
+    )
     example = {"x": torch.from_numpy(next(iter(task.calibration_data()))["x"][:2])}
     student = fq.prepare(teacher, example, fmt)
     t0 = time.perf_counter()

@@ -42,7 +42,8 @@ LEARNING_RATE = 1e-3  # QAT trains at its lr_scale of this
 
 SIDE, THRESHOLD = 160, 0.3
 BATCH = int(os.environ.get("PPOCR_BATCH", "4"))  # rows a batch (training steps see one)
-TRAIN_PAGES, CALIB_PAGES, EVAL_PAGES = 192, 16, 8
+CALIB_PAGES, EVAL_PAGES = 16, 8
+TRAIN_PAGES = int(os.environ.get("PPOCR_TRAIN_PAGES", "192"))  # rendered pages QAT distils on
 
 
 def _package_file(name: str) -> Path:

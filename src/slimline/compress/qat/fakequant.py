@@ -47,6 +47,7 @@ class FakeQuantFormat:
     reduce_range: bool = False  # 7-bit weights: no VNNI on this x86 CPU
     cpu_kind: str = ""
     ops: Literal["all", "compute"] = "all"  # where activations are fake-quantized (QuantOps)
+    float_modules: tuple[str, ...] = ()  # modules (by name) left in float: no fake quants
 
     @property
     def weight_range(self) -> tuple[int, int]:
@@ -56,13 +57,16 @@ class FakeQuantFormat:
     def label(self) -> str:
         rr = " reduce-range" if self.reduce_range else ""
         ops = " compute-ops" if self.ops == "compute" else ""
-        return f"QAT QDQ U8S8 per-channel{rr}{ops}"
+        kept = f", {len(self.float_modules)} float" if self.float_modules else ""
+        return f"QAT QDQ U8S8 per-channel{rr}{ops}{kept}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "weight_range": list(self.weight_range), "label": self.label}
 
 
-def format_for(cpu: CpuInt8, ops: Literal["all", "compute"] = "all") -> FakeQuantFormat:
+def format_for(
+    cpu: CpuInt8, ops: Literal["all", "compute"] = "all", float_modules: tuple[str, ...] = ()
+) -> FakeQuantFormat:
     """The format ``quantize`` tries first on ``cpu`` (its default settings): U8S8 per-channel,
     with 7-bit weights where U8S8 sums can saturate (x86 without VNNI). U8U8, its other candidate
     there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format.
@@ -72,7 +76,9 @@ def format_for(cpu: CpuInt8, ops: Literal["all", "compute"] = "all") -> FakeQuan
     from ..quant.config import QuantizeConfig
 
     _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]
-    return FakeQuantFormat(reduce_range=reduce_range, cpu_kind=cpu.kind, ops=ops)
+    return FakeQuantFormat(
+        reduce_range=reduce_range, cpu_kind=cpu.kind, ops=ops, float_modules=float_modules
+    )
 
 
 @contextlib.contextmanager
@@ -122,10 +128,13 @@ def _qconfig_mapping(fmt: FakeQuantFormat) -> Any:
 
     qconfig = _qconfig(fmt)
     if fmt.ops == "all":
-        return QConfigMapping().set_global(qconfig)
-    mapping = QConfigMapping()
-    for kind in _compute_types(torch):
-        mapping = mapping.set_object_type(kind, qconfig)
+        mapping = QConfigMapping().set_global(qconfig)
+    else:
+        mapping = QConfigMapping()
+        for kind in _compute_types(torch):
+            mapping = mapping.set_object_type(kind, qconfig)
+    for name in fmt.float_modules:
+        mapping = mapping.set_module_name(name, None)
     return mapping
 
 

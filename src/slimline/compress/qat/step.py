@@ -15,6 +15,7 @@ against full-INT8 post-training quantization of the same format, measured interl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -50,6 +51,7 @@ from .compare import PtqRows, compare_rows, ptq_rows
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
+from .sensitivity import LayerGain, choose_float, layer_gains
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -108,6 +110,20 @@ class QatConfig(StepConfig):
         False,
         description="with learn_ranges: train the weights' per-channel scales too (LSQ), "
         "starting from their min / max",
+    )
+    float_layers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="keep up to this many compute layers in float: those whose float version "
+        "gains the most cosine to FP32 on calibration rows, measured on the calibrated "
+        "fake-quant model (compress/qat/sensitivity.py), within max_float_macs",
+    )
+    max_float_macs: float = Field(
+        0.05, ge=0.0, le=1.0, description="for float_layers: the float layers' share of MACs"
+    )
+    float_modules: list[str] = Field(
+        default_factory=list, description="compute modules (by name) kept in float, always"
     )
     learn_zero_points: bool = Field(
         False,
@@ -270,14 +286,14 @@ def _frozen(module: Any) -> Any:
     return teacher
 
 
-def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
-    """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
-    fmt = fq.format_for(detect_cpu(), cfg.quantize_ops)
-    data, source, note = resolve_data(ctx.task, cfg.finetune)
-    if note:
-        ctx.warn(note)
-    example = to_tensors(ctx.task.sample_inputs(2))
-    student = fq.prepare(module, example, fmt)
+FLOAT_SEARCH_ROWS = 32  # calibration rows the float-layer search measures on
+
+
+def _calibrated(
+    cfg: QatConfig, module: Any, fmt: fq.FakeQuantFormat, ctx: StepContext
+) -> tuple[Any, int]:
+    """The fake-quant student of ``module`` in ``fmt``, its ranges calibrated; and the rows."""
+    student = fq.prepare(module, to_tensors(ctx.task.sample_inputs(2)), fmt)
     rows = fq.calibrate(
         student,
         ctx.task.calibration_data(),
@@ -285,6 +301,30 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         cfg.calibration,
         cfg.percentile,
     )
+    return student, rows
+
+
+def gains_table(gains: list[LayerGain], limit: int = 16) -> list[dict[str, Any]]:
+    """The record's table: the layers with the largest gains."""
+    return [g.to_dict() for g in gains[:limit]]
+
+
+def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
+    """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
+    fmt = fq.format_for(detect_cpu(), cfg.quantize_ops, tuple(cfg.float_modules))
+    data, source, note = resolve_data(ctx.task, cfg.finetune)
+    if note:
+        ctx.warn(note)
+    teacher = _frozen(module)
+    student, rows = _calibrated(cfg, module, fmt, ctx)
+    search: dict[str, Any] | None = None
+    if cfg.float_layers:
+        gains = layer_gains(student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS)
+        chosen = choose_float(gains, cfg.float_layers, cfg.max_float_macs)
+        search = {"rows": FLOAT_SEARCH_ROWS, "chosen": chosen, "gains": gains_table(gains)}
+        if chosen:
+            fmt = dataclasses.replace(fmt, float_modules=fmt.float_modules + tuple(chosen))
+            student, rows = _calibrated(cfg, module, fmt, ctx)
     learned = (
         fq.learn_ranges(student, cfg.learn_weight_ranges, cfg.learn_zero_points)
         if cfg.learn_ranges
@@ -294,7 +334,7 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
     ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
     ft = distill(
         student,
-        _frozen(module),
+        teacher,
         data,
         ft_cfg,
         output_kind=ctx.task.output_kind,
@@ -313,6 +353,7 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
             "calibration_rows": rows,
             "calibration": cfg.calibration,
             "learned_ranges": learned,
+            "float_search": search,
             "data": source,
             "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
             "history": ft.history,
@@ -514,8 +555,9 @@ def run_qat(
     QatConfig,
     contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
     # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear; 3: calibration
-    # and learn_ranges (the record names both)
-    version=3,
+    # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
+    # gradient scale, learned zero points, export check's noise floor
+    version=4,
     reads=("target", "budget", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )

@@ -1,0 +1,96 @@
+"""QAT's float-layer search: the measured gain of each compute layer in float, the choice
+within a MAC share, and the step keeping the chosen layers out of fake quantization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slimline import api
+from slimline.compress.finetune import FinetuneConfig
+from slimline.compress.qat import fakequant as fq
+from slimline.compress.qat.sensitivity import LayerGain, choose_float, layer_gains
+from slimline.compress.qat.step import QatConfig
+from slimline.recipe import recipe_from_dict
+from slimline.task import load_task
+
+from .test_qat import DIGITS, _batches, _mk, _prepared, _tiny
+
+
+def _out(model: torch.nn.Module, x: np.ndarray) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = model(torch.from_numpy(x))
+    return out
+
+
+def test_each_compute_layer_gets_its_measured_gain_and_the_model_is_left_as_it_was() -> None:
+    student, teacher = _prepared(), _tiny()
+    fq.freeze_observers(student)
+    x = _batches()[0]["x"]
+    before = _out(student.eval(), x)
+    student.train()
+    gains = layer_gains(student, teacher, _batches(), rows=16)
+    assert student.training  # the mode is restored
+    assert {g.name for g in gains} == {"stem.0", "dw.0", "pw", "fc"}
+    assert sum(g.mac_share for g in gains) == pytest.approx(1.0)
+    assert [g.gain for g in gains] == sorted((g.gain for g in gains), reverse=True)
+    torch.testing.assert_close(_out(student.eval(), x), before)  # every fake quant back on
+    # the best layer's figure is the cosine measured with its fake quants switched off by hand
+    best = gains[0]
+    module = student.get_submodule(best.name)
+    module.weight_fake_quant.disable_fake_quant()
+    ref = _out(teacher, np.concatenate([b["x"] for b in _batches()])[:16]).numpy()
+    off = student.eval()
+    for node in off.graph.nodes:
+        if node.op == "call_module" and node.target == best.name:
+            for user in node.users:
+                sub = off.get_submodule(str(user.target))
+                if sub in fq.fake_quant_modules(off).values():
+                    sub.disable_fake_quant()
+    got = _out(off, np.concatenate([b["x"] for b in _batches()])[:16]).numpy()
+    a, b = got.reshape(len(got), -1), ref.reshape(len(ref), -1)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    assert best.cosine_float == pytest.approx(float(cos.mean()), abs=1e-5)
+
+
+def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:
+    gains = [
+        LayerGain("big", 0.99, 0.05, 0.60),
+        LayerGain("a", 0.98, 0.04, 0.02),
+        LayerGain("b", 0.97, 0.03, 0.02),
+        LayerGain("c", 0.96, 0.02, 0.02),
+        LayerGain("none", 0.95, 0.0, 0.01),
+    ]
+    assert choose_float(gains, 2, 0.05) == ["a", "b"]  # "big" is over the share
+    assert choose_float(gains, 5, 0.05) == ["a", "b"]  # "c" would pass 5%; no zero gains
+    assert choose_float(gains, 5, 1.0) == ["big", "a", "b", "c"]
+    assert choose_float(gains, 0, 1.0) == []
+
+
+def test_the_step_keeps_the_chosen_layers_float(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import slimline.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
+    task = load_task(str(DIGITS))
+    rec = recipe_from_dict(
+        {"name": "t", "task": task.source, "target": {"threads": 1},
+         "budget": {"max_metric_drop": 0.05, "min_cosine": 0.95}}
+    )  # fmt: skip
+    ctx = api.context_for(task, rec, tmp_path / "w", timed=False, cache=tmp_path / "c")
+    cfg = QatConfig(
+        finetune=FinetuneConfig(steps=2, eval_every=2, progress=False),
+        float_layers=1,
+        max_float_macs=1.0,
+        compare_ptq=False,
+    )
+    out = api.run_step(ctx, cfg, ctx.baseline)
+    search = out.meta["float_search"]
+    assert len(search["chosen"]) == 1 and search["gains"][0]["name"] == search["chosen"][0]
+    assert list(out.meta["format"]["float_modules"]) == search["chosen"]
+    assert out.meta["export_check"]["int8_weights"] == 6  # of seven: the float one stays float
+    assert out.meta["kernels"]["int8_share"] < 1.0
