@@ -369,10 +369,16 @@ def _set_range(fq: Any, lo: float, hi: float) -> None:
 
 
 def freeze_bn(model: Any) -> None:
-    """BatchNorm statistics stop updating (the QAT forward already uses the running ones)."""
+    """BatchNorm statistics stop updating (the QAT forward already uses the running ones), in
+    the fused QAT modules and in any BatchNorm left outside them (after a layer kept in float),
+    which is put in eval mode: it normalizes with its running statistics, as deployed."""
+    import torch
     import torch.ao.nn.intrinsic.qat as nniqat
 
     model.apply(nniqat.freeze_bn_stats)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.eval()
 
 
 def freeze_observers(model: Any) -> None:

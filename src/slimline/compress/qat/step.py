@@ -200,8 +200,8 @@ class QatHooks(DistillHooks):
             self.bn_frozen_at, self.bn_trigger = step - 1, "steps"
         if self.observers_frozen_at is None and obs is not None and step > obs:
             self.observers_frozen_at = step - 1
-        if self.bn_frozen_at is not None and "bn" not in self._applied:
-            fq.freeze_bn(student)
+        if self.bn_frozen_at is not None:  # every step: distill puts the student back in train
+            fq.freeze_bn(student)  # mode after each held-out evaluation
             self._applied.add("bn")
         if self.observers_frozen_at is not None and "observers" not in self._applied:
             fq.freeze_observers(student)
