@@ -94,3 +94,29 @@ def test_the_step_keeps_the_chosen_layers_float(
     assert list(out.meta["format"]["float_modules"]) == search["chosen"]
     assert out.meta["export_check"]["int8_weights"] == 6  # of seven: the float one stays float
     assert out.meta["kernels"]["int8_share"] < 1.0
+
+
+def test_a_batchnorm_after_a_float_layer_freezes_with_the_others() -> None:
+    """``stem`` kept float leaves its BatchNorm outside any fused QAT module: frozen, it keeps
+    its running statistics and normalizes with them in training mode too."""
+    fmt = fq.FakeQuantFormat(float_modules=("stem.0",))
+    batches = _batches()
+    student = fq.prepare(_tiny(), {"x": torch.from_numpy(batches[0]["x"])}, fmt)
+    fq.calibrate(student, batches, 32)
+    fq.freeze_observers(student)
+    plain = [
+        m
+        for n, m in student.named_modules()
+        if type(m) is torch.nn.BatchNorm2d and not n.endswith(".bn")  # ".bn": inside a fused one
+    ]
+    assert len(plain) == 1  # not fused: its convolution stays float (dw's is fused)
+    bn = plain[0]
+    mean = bn.running_mean.clone()
+    x = torch.from_numpy(batches[1]["x"])
+    want = _out(student.eval(), batches[1]["x"])
+    student.train()
+    fq.freeze_bn(student)
+    with torch.no_grad():
+        got = student(x)
+    torch.testing.assert_close(bn.running_mean, mean)
+    torch.testing.assert_close(got, want)
