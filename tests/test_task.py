@@ -99,3 +99,26 @@ def test_corrupt_and_missing_onnx(tmp_path: Path) -> None:
         load_task(str(bad), str(npz))
     with pytest.raises(ModelFileError, match="does not exist"):
         load_task(str(tmp_path / "missing.onnx"), str(npz))
+
+
+def test_a_task_file_imports_its_sibling_modules_in_a_fresh_process(
+    tmp_path: Path, tiny_task_file: Path
+) -> None:
+    """A task split over files (its data helpers beside it) loads the way the pipeline's worker
+    processes load it: by path, in an interpreter whose path does not hold the task's folder."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "sibling_helpers_for_task.py").write_text("ROWS = 3\n")
+    task = folder / "task.py"
+    task.write_text(
+        tiny_task_file.read_text() + "\nimport sibling_helpers_for_task\n\nNAME = 'sib'\n"
+    )
+    code = f"from slimline.task import load_task; print(load_task({str(task)!r}).name)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "sib"

@@ -89,6 +89,9 @@ def _import_file(path: Path) -> Any:
         raise TaskError(f"task file {path} cannot be imported as Python; it must be a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # the task's own helper modules beside it import, in every
+        sys.path.append(folder)  # process that loads it (last: installed packages come first)
     try:
         spec.loader.exec_module(module)
     except Exception as err:
