@@ -43,6 +43,12 @@ class _QWeight(nn.Module):
     def activation(self, y: torch.Tensor) -> torch.Tensor:
         return F.relu(y) if self.relu else y
 
+    def round_bias(self, input_scale: float) -> None:
+        """The bias on the INT32 grid of ``input_scale`` x each output channel's weight scale,
+        as ONNX Runtime quantizes it for its integer kernels."""
+        grid = (input_scale * self.scale.double()).clamp_min(1e-30)
+        self.bias.copy_((torch.round(self.bias.double() / grid) * grid).float())
+
     def quantized_weight(self) -> torch.Tensor:
         return torch.fake_quantize_per_channel_affine(
             self.weight, self.scale, self.zero_point, 0, *ONNX_INT8
@@ -193,3 +199,40 @@ class LearnedWeightRange(FakeQuantizeBase):
             self.quant_max,
             _grad_scale(w[0], self.quant_max),
         )
+
+
+# -- INT32 biases in training ------------------------------------------------------------------
+def _effective_bias(layer: nn.Module) -> torch.Tensor:
+    """The bias the deployed layer adds: its own, or for a fused Conv-BN the folded one."""
+    weight: torch.Tensor = layer.weight  # type: ignore[assignment]
+    own = layer.bias if isinstance(layer.bias, torch.Tensor) else torch.zeros(weight.shape[0])
+    bn = getattr(layer, "bn", None)
+    if bn is None:
+        return own.detach()
+    factor = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    folded: torch.Tensor = (bn.bias + (own - bn.running_mean) * factor).detach()
+    return folded
+
+
+def bias_rounding(layer: nn.Module) -> torch.Tensor | None:
+    """What rounding ``layer``'s bias to ONNX Runtime's INT32 grid (input scale x each
+    channel's weight scale) adds to each output channel, or None where the layer runs without
+    it (its input or weight not fake-quantized). A constant of the forward pass: no gradient."""
+    src = layer.__dict__.get("_bias_input")
+    wfq = getattr(layer, "weight_fake_quant", None)
+    if not src or wfq is None or not bool(wfq.fake_quant_enabled[0]):
+        return None
+    fq = src[0]
+    if not bool(fq.fake_quant_enabled[0]) or fq.scale.numel() != 1:
+        return None
+    with torch.no_grad():
+        grid = (fq.scale.reshape(()).double() * wfq.scale.double()).clamp_min(1e-30)
+        b = _effective_bias(layer).double()
+        delta: torch.Tensor = (torch.round(b / grid) * grid - b).float()
+        return delta
+
+
+def _plus(out: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    if delta is None:
+        return out
+    return out + delta.reshape(1, -1, *([1] * (out.dim() - 2)))
