@@ -133,9 +133,7 @@ def test_full_int8_ptq_of_the_trained_example_misses_its_budget() -> None:
     calibrate(fq, mnist_rep.calibration_data(), 512)
     out, _ = _outputs(fq.eval())
     cosine = float(
-        np.mean(
-            (out * ref).sum(1) / (np.linalg.norm(out, axis=1) * np.linalg.norm(ref, axis=1))
-        )
+        np.mean((out * ref).sum(1) / (np.linalg.norm(out, axis=1) * np.linalg.norm(ref, axis=1)))
     )
     drop = mnist_rep.metric(ref, labels) - mnist_rep.metric(out, labels)
     # measured here (x86-amx-int8): cosine 0.82, top-1 0.926 -> 0.822; budget: 0.99 and 0.003
