@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +109,11 @@ def test_registered_with_its_recipe() -> None:
     assert [s.kind for s in recipe.steps] == ["export", "qat"]
 
 
-def _outputs(net: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
+def _outputs(net: torch.nn.Module, batches: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """Outputs and labels of the first ``batches`` held-out batches (100 digits each)."""
     outs, labels = [], []
     with torch.no_grad():
-        for inputs, lab in mnist_rep.eval_data():
+        for inputs, lab in itertools.islice(mnist_rep.eval_data(), batches):
             outs.append(net(torch.from_numpy(inputs["x"])).numpy())
             labels.append(lab)
     return np.concatenate(outs), np.concatenate(labels)
@@ -120,22 +122,24 @@ def _outputs(net: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.slow
 def test_full_int8_ptq_of_the_trained_example_misses_its_budget() -> None:
     """Fake-quantized full INT8 (U8 per-tensor activations at every op, S8 per-channel weights,
-    MinMax ranges from 512 calibration rows: the format quantize deploys, 8-bit weights, its
-    best case) of the trained example falls far below the recipe's cosine budget."""
+    MinMax ranges from 256 calibration rows: the format quantize deploys, 8-bit weights, its
+    best case) of the trained example falls far below the recipe's budget (on 400 held-out
+    digits, to keep the test short)."""
     from slimline.commands import resolve_recipe
     from slimline.compress.qat.fakequant import FakeQuantFormat, calibrate, prepare
 
     budget = resolve_recipe("mnist-rep-qat").budget
     fp32 = mnist_rep.model()
-    ref, labels = _outputs(fp32)
+    ref, labels = _outputs(fp32, 4)
     example = next(iter(mnist_rep.calibration_data()))
     fq = prepare(fp32, {k: torch.from_numpy(v) for k, v in example.items()}, FakeQuantFormat())
-    calibrate(fq, mnist_rep.calibration_data(), 512)
-    out, _ = _outputs(fq.eval())
+    calibrate(fq, mnist_rep.calibration_data(), 256)
+    out, _ = _outputs(fq.eval(), 4)
     cosine = float(
         np.mean((out * ref).sum(1) / (np.linalg.norm(out, axis=1) * np.linalg.norm(ref, axis=1)))
     )
     drop = mnist_rep.metric(ref, labels) - mnist_rep.metric(out, labels)
-    # measured here (x86-amx-int8): cosine 0.82, top-1 0.926 -> 0.822; budget: 0.99 and 0.003
+    # measured here (x86-amx-int8, these 400 digits): cosine 0.716, top-1 0.948 -> 0.720 (7-bit
+    # weights: 0.597, 0.683); budget: cosine 0.99, top-1 drop 0.003
     assert cosine < budget.min_cosine - 0.05
     assert drop > budget.max_metric_drop
