@@ -4,6 +4,10 @@ plus the wall time of the whole ``mnist-dw-qat`` recipe with a fresh step cache.
 
     .venv/bin/python bench/qat_bench.py [--out bench/RESULTS-qat.md] [--steps N]
     .venv/bin/python bench/qat_bench.py --zoo ppocr-det [--out bench/RESULTS-qat-ppocr.md]
+    .venv/bin/python bench/qat_bench.py --recipe mnist-rep-qat [--out bench/RESULTS-qat-rep.md]
+
+``--recipe`` names another built-in QAT recipe (``mnist-rep-qat``: the example on which full PTQ
+misses its budget).
 
 ``--zoo ppocr-det`` runs the same recipe on a third-party depthwise CNN instead: PP-OCRv4's text
 detector from the ``rapidocr_onnxruntime`` wheel as a torch module (``zoo_ppocr_torch_task.py``),
@@ -68,12 +72,13 @@ def _run(
     freeze_observers_after: int | None = None,
     ranges: dict[str, Any] | None = None,
     no_mixed: bool = False,
+    recipe_name: str = RECIPE,
 ) -> tuple[dict[str, Any], float]:
     from slimline.commands import resolve_recipe
     from slimline.pipeline import run_recipe
     from slimline.task import load_task
 
-    recipe = resolve_recipe(RECIPE)
+    recipe = resolve_recipe(recipe_name)
     if no_mixed:  # the comparison's mixed-precision search is the slowest part of the run
         import slimline.compress.qat.compare as compare
 
@@ -256,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-mixed", action="store_true", help="skip the mixed-precision PTQ row (the slowest)"
     )
     p.add_argument("--zoo", choices=sorted(ZOO_TASKS), default=None, help="a zoo model instead")
+    p.add_argument("--recipe", default=None, help=f"a built-in QAT recipe (default {RECIPE})")
     p.add_argument("--keep-runs", type=Path, default=Path(tempfile.gettempdir()) / "qat-bench")
     p.add_argument("--manifest", type=Path, default=None, help="render this run's manifest")
     p.add_argument("--wall-s", type=float, default=None, help="its recipe wall time")
@@ -280,10 +286,12 @@ def main(argv: list[str] | None = None) -> int:
                 **_settings(args.set),
             },
             args.no_mixed,
+            args.recipe or RECIPE,
         )
     measured = ["--out", str(args.out)] if args.out else []
     for flag, value in (
         ("--zoo", args.zoo),
+        ("--recipe", args.recipe),
         ("--steps", args.steps),
         ("--lr-scale", args.lr_scale),
         ("--min-export-cosine", args.min_export_cosine),

@@ -18,7 +18,7 @@ from slimline.task import load_task
 
 
 def test_registry_lists_importable_task_modules() -> None:
-    assert set(EXAMPLES) == {"mnist", "minilm", "mnist-dw"}
+    assert set(EXAMPLES) == {"mnist", "minilm", "mnist-dw", "mnist-rep"}
     assert set(DESCRIPTIONS) == set(EXAMPLES)
     for name, module in EXAMPLES.items():
         task = load_task(name)

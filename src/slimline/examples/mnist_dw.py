@@ -9,6 +9,7 @@ activation ranges are wide and uneven across channels. Measured here: full stati
 (U8S8 per-channel, MinMax ranges) of this model still stays within a 0.99 cosine / 0.003 top-1
 budget (fake-quant cosine 0.9999 to FP32, top-1 0.975 vs 0.976): it is the built-in example
 of the ``qat`` step (recipe ``mnist-dw-qat``), not a case where post-training quantization fails.
+The example on which it fails is :mod:`.mnist_rep` (recipe ``mnist-rep-qat``).
 
 The first call to :func:`model` trains the network and caches the weights under
 ``slimline.paths.cache_dir("examples")``, keyed by a hash of the architecture, the training
