@@ -102,7 +102,7 @@ class QatConfig(StepConfig):
         99.99, gt=90.0, lt=100.0, description="for calibration: percentile (as quantize's)"
     )
     learn_ranges: bool = Field(
-        False,
+        True,
         description="train the activation ranges with the weights (LSQ: the scale is a "
         "parameter with the straight-through gradient), starting from the calibrated ones",
     )
@@ -126,7 +126,7 @@ class QatConfig(StepConfig):
         default_factory=list, description="compute modules (by name) kept in float, always"
     )
     learn_zero_points: bool = Field(
-        False,
+        True,
         description="with learn_ranges: train the activations' zero points too (LSQ+ offsets, "
         "rounded to integers for export), so a range can move, not only stretch",
     )
