@@ -451,29 +451,39 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
     return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
 
 
-NOISE = 1e-6  # the input perturbation of the noise floor, relative to each input's spread
+NOISE = 1e-6  # relative perturbation of the noise floor: float32 sums of a few hundred terms
 
 
 def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> float:
-    """Mean cosine of the fake-quant model's outputs on ``sample`` to its outputs on ``sample``
-    plus Gaussian noise of ``NOISE`` times each float input's standard deviation: how far two
-    float implementations that differ only in rounding can be expected to disagree through
-    this model. A quantized model is a step function: where a value sits near a rounding
-    boundary, a change in the 6th digit moves it a whole step, and a deep network can amplify
-    that step. 1.0 when no input is floating point."""
+    """Mean cosine of the fake-quant model's outputs on ``sample`` to its outputs when every
+    value it quantizes (the input of each activation fake quant, the model's input among them)
+    is moved by relative Gaussian noise of ``NOISE``: the difference a float implementation
+    with another summation order makes at each layer, and so how far two correct
+    implementations can be expected to disagree through this model. A quantized model is a step
+    function: where a value sits near a rounding boundary, a change in its 6th digit moves it a
+    whole step, and a deep network can amplify that step. 1.0 when the model has no activation
+    fake quant."""
     import torch
 
-    rng = np.random.default_rng(0)
-    noisy = {}
-    for k, v in sample.items():
-        if np.issubdtype(v.dtype, np.floating):
-            spread = float(np.std(v)) or 1.0
-            v = (v + rng.standard_normal(v.shape) * NOISE * spread).astype(v.dtype)
-        noisy[k] = v
-    if all(noisy[k] is sample[k] for k in sample):
+    from .fakequant import _is_activation_fq, fake_quant_modules
+
+    gen = torch.Generator().manual_seed(0)
+
+    def jitter(module: Any, args: Any) -> Any:
+        x = args[0]
+        noise = torch.randn(x.shape, generator=gen, dtype=x.dtype) * NOISE
+        return (x * (1.0 + noise), *args[1:])
+
+    acts = [m for m in fake_quant_modules(model).values() if _is_activation_fq(m)]
+    if not acts:
         return 1.0
-    with torch.no_grad():
-        moved = model(**to_tensors(noisy)).float().numpy()
+    handles = [m.register_forward_pre_hook(jitter) for m in acts]
+    try:
+        with torch.no_grad():
+            moved = model(**to_tensors(sample)).float().numpy()
+    finally:
+        for h in handles:
+            h.remove()
     return float(fidelity(moved, ref, logits=False)["cosine_mean"] or 0.0)
 
 
