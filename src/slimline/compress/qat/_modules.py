@@ -94,7 +94,34 @@ def _grad_scale(x: torch.Tensor, quant_max: int) -> float:
     return 1.0 / math.sqrt(max(x.numel(), 1) * max(abs(quant_max), 1))
 
 
-class LearnedRange(FakeQuantizeBase):
+class _LearnedScale(FakeQuantizeBase):
+    """A fake quant whose scale (per tensor or per channel) is its calibrated one times
+    ``exp(log_gain)``, the gain a trained parameter starting at exactly 0."""
+
+    base_scale: torch.Tensor
+
+    def _init_scale(self, scale: torch.Tensor) -> None:
+        self.register_buffer("base_scale", scale.detach().float().clone())
+        self.log_gain = nn.Parameter(torch.zeros(len(scale)))
+
+    def _scale(self) -> torch.Tensor:
+        return self.base_scale * self.log_gain.exp()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale().detach()
+
+    def _zero_points(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.scale, self._zero_points()
+
+    def _learning(self) -> bool:
+        return torch.is_grad_enabled() and self.log_gain.requires_grad
+
+
+class LearnedRange(_LearnedScale):
     """Per-tensor affine fake quantization of an activation whose scale is trained with the
     model (LSQ, Esser et al. 2020), through torch's LSQ kernel
     (``torch._fake_quantize_learnable_per_tensor_affine``: the straight-through estimator
@@ -106,8 +133,6 @@ class LearnedRange(FakeQuantizeBase):
     ``torch.no_grad`` (evaluation, export) it runs ``fake_quantize_per_tensor_affine`` with the
     current scale, the op the QDQ export writes."""
 
-    base_scale: torch.Tensor
-
     def __init__(
         self,
         scale: float,
@@ -117,8 +142,7 @@ class LearnedRange(FakeQuantizeBase):
         learn_zero_point: bool = False,
     ) -> None:
         super().__init__()
-        self.register_buffer("base_scale", torch.tensor([scale], dtype=torch.float32))
-        self.log_gain = nn.Parameter(torch.zeros(1))
+        self._init_scale(torch.tensor([scale], dtype=torch.float32))
         # the offset in quantization steps (LSQ+): rounded to the integer zero point it deploys
         self.offset = nn.Parameter(torch.tensor([float(zero_point)]), learn_zero_point)
         self.quant_min, self.quant_max = quant_min, quant_max
@@ -129,20 +153,13 @@ class LearnedRange(FakeQuantizeBase):
         zp = self.offset.detach().round().clamp(self.quant_min, self.quant_max)
         return zp.to(torch.int32)
 
-    def _scale(self) -> torch.Tensor:
-        return self.base_scale * self.log_gain.exp()
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._scale().detach()
-
-    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return self.scale, self.zero_point
+    def _zero_points(self) -> torch.Tensor:
+        return self.zero_point
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not bool(self.fake_quant_enabled[0]):
             return x
-        if not (torch.is_grad_enabled() and self.log_gain.requires_grad):
+        if not self._learning():
             return torch.fake_quantize_per_tensor_affine(
                 x, self.scale, self.zero_point, self.quant_min, self.quant_max
             )
@@ -156,36 +173,27 @@ class LearnedRange(FakeQuantizeBase):
         )
 
 
-class LearnedWeightRange(FakeQuantizeBase):
+class LearnedWeightRange(_LearnedScale):
     """Per-channel symmetric fake quantization of a weight (output channels on axis 0) whose
     scales are trained with the model, as :class:`LearnedRange` (a gain per channel, LSQ
     gradient)."""
 
     zero_point: torch.Tensor
-    base_scale: torch.Tensor
 
     def __init__(self, scale: torch.Tensor, quant_min: int, quant_max: int) -> None:
         super().__init__()
-        self.register_buffer("base_scale", scale.detach().float().clone())
-        self.log_gain = nn.Parameter(torch.zeros(len(scale)))
+        self._init_scale(scale)
         self.register_buffer("zero_point", torch.zeros(len(scale), dtype=torch.int32))
         self.quant_min, self.quant_max, self.ch_axis = quant_min, quant_max, 0
         self.dtype, self.qscheme = torch.qint8, torch.per_channel_symmetric
 
-    def _scale(self) -> torch.Tensor:
-        return self.base_scale * self.log_gain.exp()
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._scale().detach()
-
-    def calculate_qparams(self) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return self.scale, self.zero_point
+    def _zero_points(self) -> torch.Tensor:
+        return self.zero_point
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if not bool(self.fake_quant_enabled[0]):
             return w
-        if not (torch.is_grad_enabled() and self.log_gain.requires_grad):
+        if not self._learning():
             return torch.fake_quantize_per_channel_affine(
                 w, self.scale, self.zero_point, 0, self.quant_min, self.quant_max
             )

@@ -482,22 +482,26 @@ def _round_biases(model: Any) -> int:
 
     from ._modules import _QWeight
 
-    graph = getattr(model, "graph", None)
-    if graph is None:
-        return 0
     done = 0
-    for node in graph.nodes:
-        if node.op != "call_module" or not node.args:
+    for layer, fq in _layers_and_inputs(model):
+        if not isinstance(layer, _QWeight):
             continue
-        layer = model.get_submodule(str(node.target))
-        src = node.args[0]
-        if not isinstance(layer, _QWeight) or getattr(src, "op", None) != "call_module":
-            continue
-        fq = model.get_submodule(str(src.target))
         if isinstance(fq, FakeQuantize) and not _is_weight(fq) and fq.scale.numel() == 1:
             layer.round_bias(float(fq.scale.reshape(-1)[0]))
             done += 1
     return done
+
+
+def _layers_and_inputs(model: Any) -> Iterator[tuple[Any, Any]]:
+    """(module, the module that computed its first input) for each module call of the FX
+    ``model`` whose first input is another module's output."""
+    graph = getattr(model, "graph", None)
+    for node in graph.nodes if graph is not None else ():
+        if node.op != "call_module" or not node.args:
+            continue
+        src = node.args[0]
+        if getattr(src, "op", None) == "call_module":
+            yield model.get_submodule(str(node.target)), model.get_submodule(str(src.target))
 
 
 # -- INT32 biases in training ------------------------------------------------------------------
@@ -552,20 +556,10 @@ def simulate_int32_bias(model: Any) -> int:
     if not _BIAS_CLASSES:
         _BIAS_CLASSES.update(_bias_classes())
     twins = set(_BIAS_CLASSES.values())
-    graph = getattr(model, "graph", None)
-    if graph is None:
-        return 0
     done = 0
-    for node in graph.nodes:
-        if node.op != "call_module" or not node.args:
-            continue
-        layer = model.get_submodule(str(node.target))
-        src = node.args[0]
+    for layer, fq in _layers_and_inputs(model):
         if type(layer) not in _BIAS_CLASSES and type(layer) not in twins:
             continue
-        if getattr(src, "op", None) != "call_module":
-            continue
-        fq = model.get_submodule(str(src.target))
         if not _is_activation_fq(fq):
             continue
         if type(layer) in _BIAS_CLASSES:
