@@ -1,15 +1,27 @@
-"""The modules a QAT model is exported through (kept apart: importing them imports torch)."""
+"""The modules a QAT model trains and is exported through: learned ranges, INT32-bias twins of
+the QAT layers, INT8-grid layers for export (kept apart: importing them imports torch)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.ao.nn.intrinsic.qat as nniqat
+import torch.ao.nn.qat as nnqat
 import torch.nn.functional as F
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase
 
-__all__ = ["ONNX_INT8", "LearnedRange", "LearnedWeightRange", "QConv2d", "QLinear"]
+__all__ = [
+    "BIAS_TWINS",
+    "ONNX_INT8",
+    "LearnedRange",
+    "LearnedWeightRange",
+    "QConv2d",
+    "QLinear",
+    "bias_rounding",
+    "on_int32_grid",
+]
 
 ONNX_INT8 = (-128, 127)  # the weight range the exporter accepts; learned weights lie inside it
 
@@ -46,8 +58,7 @@ class _QWeight(nn.Module):
     def round_bias(self, input_scale: float) -> None:
         """The bias on the INT32 grid of ``input_scale`` x each output channel's weight scale,
         as ONNX Runtime quantizes it for its integer kernels."""
-        grid = (input_scale * self.scale.double()).clamp_min(1e-30)
-        self.bias.copy_((torch.round(self.bias.double() / grid) * grid).float())
+        self.bias.copy_(on_int32_grid(self.bias, input_scale, self.scale))
 
     def quantized_weight(self) -> torch.Tensor:
         return torch.fake_quantize_per_channel_affine(
@@ -210,6 +221,15 @@ class LearnedWeightRange(_LearnedScale):
 
 
 # -- INT32 biases in training ------------------------------------------------------------------
+def on_int32_grid(
+    bias: torch.Tensor, input_scale: float | torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """``bias`` rounded to ONNX Runtime's INT32 bias grid: input scale x each output channel's
+    weight scale (in double, then back to float)."""
+    grid = (torch.as_tensor(input_scale).double() * weight_scale.double()).clamp_min(1e-30)
+    return (torch.round(bias.double() / grid) * grid).float()
+
+
 def _effective_bias(layer: nn.Module) -> torch.Tensor:
     """The bias the deployed layer adds: its own, or for a fused Conv-BN the folded one."""
     weight: torch.Tensor = layer.weight  # type: ignore[assignment]
@@ -234,13 +254,47 @@ def bias_rounding(layer: nn.Module) -> torch.Tensor | None:
     if not bool(fq.fake_quant_enabled[0]) or fq.scale.numel() != 1:
         return None
     with torch.no_grad():
-        grid = (fq.scale.reshape(()).double() * wfq.scale.double()).clamp_min(1e-30)
-        b = _effective_bias(layer).double()
-        delta: torch.Tensor = (torch.round(b / grid) * grid - b).float()
-        return delta
+        b = _effective_bias(layer)
+        return on_int32_grid(b, fq.scale.reshape(()), wfq.scale) - b
 
 
 def _plus(out: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     if delta is None:
         return out
     return out + delta.reshape(1, -1, *([1] * (out.dim() - 2)))
+
+
+class _Conv2d(nnqat.Conv2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _plus(super().forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
+
+
+class _ConvReLU2d(nniqat.ConvReLU2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        w = self.weight_fake_quant(self.weight)
+        return F.relu(_plus(self._conv_forward(input, w, self.bias), bias_rounding(self)))
+
+
+class _ConvBn2d(nniqat.ConvBn2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _plus(self._forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
+
+
+class _ConvBnReLU2d(nniqat.ConvBnReLU2d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.relu(_plus(self._forward(input), bias_rounding(self)))  # type: ignore[no-untyped-call]
+
+
+class _Linear(nnqat.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _plus(super().forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
+
+
+# QAT layer classes and their twins that add the INT32 bias rounding before the activation
+BIAS_TWINS: dict[type, type] = {
+    nnqat.Conv2d: _Conv2d,
+    nniqat.ConvReLU2d: _ConvReLU2d,
+    nniqat.ConvBn2d: _ConvBn2d,
+    nniqat.ConvBnReLU2d: _ConvBnReLU2d,
+    nnqat.Linear: _Linear,
+}

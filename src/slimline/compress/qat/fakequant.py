@@ -505,65 +505,23 @@ def _layers_and_inputs(model: Any) -> Iterator[tuple[Any, Any]]:
 
 
 # -- INT32 biases in training ------------------------------------------------------------------
-def _bias_classes() -> dict[type, type]:
-    """QAT layer classes and their twins that add the INT32 bias rounding before the
-    activation (the class of each instance is switched, so copies and checkpoints keep it)."""
-    import torch.ao.nn.intrinsic.qat as nniqat
-    import torch.ao.nn.qat as nnqat
-    import torch.nn.functional as F
-
-    from ._modules import _plus, bias_rounding
-
-    class Conv2d(nnqat.Conv2d):
-        def forward(self, input: Any) -> Any:
-            return _plus(super().forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
-
-    class ConvReLU2d(nniqat.ConvReLU2d):
-        def forward(self, input: Any) -> Any:
-            w = self.weight_fake_quant(self.weight)
-            return F.relu(_plus(self._conv_forward(input, w, self.bias), bias_rounding(self)))
-
-    class ConvBn2d(nniqat.ConvBn2d):
-        def forward(self, input: Any) -> Any:
-            return _plus(self._forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
-
-    class ConvBnReLU2d(nniqat.ConvBnReLU2d):
-        def forward(self, input: Any) -> Any:
-            return F.relu(_plus(self._forward(input), bias_rounding(self)))  # type: ignore[no-untyped-call]
-
-    class Linear(nnqat.Linear):
-        def forward(self, input: Any) -> Any:
-            return _plus(super().forward(input), bias_rounding(self))  # type: ignore[no-untyped-call]
-
-    return {
-        nnqat.Conv2d: Conv2d,
-        nniqat.ConvReLU2d: ConvReLU2d,
-        nniqat.ConvBn2d: ConvBn2d,
-        nniqat.ConvBnReLU2d: ConvBnReLU2d,
-        nnqat.Linear: Linear,
-    }
-
-
-_BIAS_CLASSES: dict[type, type] = {}
-
-
 def simulate_int32_bias(model: Any) -> int:
     """Make every QAT convolution or linear layer whose input is fake-quantized per tensor add
     what rounding its bias to ONNX Runtime's INT32 grid changes (``_modules.bias_rounding``), as
     the exported model computes (:func:`_round_biases`), so training sees the deployed
     arithmetic. Binds each layer to its input's current fake quant (call again after
     :func:`learn_ranges` replaces them); returns how many layers simulate it."""
-    if not _BIAS_CLASSES:
-        _BIAS_CLASSES.update(_bias_classes())
-    twins = set(_BIAS_CLASSES.values())
+    from ._modules import BIAS_TWINS
+
+    twins = set(BIAS_TWINS.values())
     done = 0
     for layer, fq in _layers_and_inputs(model):
-        if type(layer) not in _BIAS_CLASSES and type(layer) not in twins:
+        if type(layer) not in BIAS_TWINS and type(layer) not in twins:
             continue
         if not _is_activation_fq(fq):
             continue
-        if type(layer) in _BIAS_CLASSES:
-            layer.__class__ = _BIAS_CLASSES[type(layer)]
+        if type(layer) in BIAS_TWINS:  # the class is switched: copies and checkpoints keep it
+            layer.__class__ = BIAS_TWINS[type(layer)]
         layer.__dict__["_bias_input"] = [fq]
         done += 1
     return done
