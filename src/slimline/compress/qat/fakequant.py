@@ -26,6 +26,7 @@ from ...cpu import CpuInt8
 __all__ = [
     "CalibrationMethod",
     "FakeQuantFormat",
+    "activation_fake_quants",
     "calibrate",
     "export_module_for",
     "fake_quant_modules",
@@ -280,7 +281,7 @@ def calibrate(
     import torch
     from torch.ao.quantization import enable_fake_quant
 
-    acts = {n: m for n, m in fake_quant_modules(model).items() if not _is_weight(m)}
+    acts = activation_fake_quants(model)
     ranges = _Ranges(method, percentile, samples)
     handles = [m.register_forward_pre_hook(ranges.hook(n)) for n, m in acts.items()]
     was_training, seen = model.training, 0
@@ -531,3 +532,8 @@ def _is_activation_fq(module: Any) -> bool:
     from torch.ao.quantization import FakeQuantizeBase
 
     return isinstance(module, FakeQuantizeBase) and not _is_weight(module)
+
+
+def activation_fake_quants(model: Any) -> dict[str, Any]:
+    """``model``'s activation fake quants (not its weights'), by name."""
+    return {n: m for n, m in fake_quant_modules(model).items() if not _is_weight(m)}

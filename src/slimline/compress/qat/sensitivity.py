@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...measure.quality import fidelity
+from ...tensors import take_samples
 from ..finetune import to_tensors
 
 __all__ = ["LayerGain", "choose_float", "layer_gains"]
@@ -31,19 +32,6 @@ class LayerGain:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _rows(batches: Iterable[dict[str, np.ndarray]], limit: int) -> dict[str, np.ndarray]:
-    parts: list[dict[str, np.ndarray]] = []
-    seen = 0
-    for batch in batches:
-        parts.append(batch)
-        seen += len(next(iter(batch.values())))
-        if seen >= limit:
-            break
-    if not parts:
-        return {}
-    return {k: np.concatenate([p[k] for p in parts])[:limit] for k in parts[0]}
 
 
 def _outputs(model: Any, rows: dict[str, np.ndarray]) -> np.ndarray:
@@ -105,7 +93,7 @@ def layer_gains(
     """The gain of each compute layer of the calibrated fake-quant ``student`` in float, on up
     to ``rows`` rows of ``batches`` (largest gain first). The student's fake quants, observers
     and mode are as they were afterwards."""
-    sample = _rows(batches, rows)
+    sample = take_samples(batches, rows)
     if not sample:
         return []
     layers = _compute_layers(student)

@@ -465,8 +465,6 @@ def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> 
     fake quant."""
     import torch
 
-    from .fakequant import _is_activation_fq, fake_quant_modules
-
     gen = torch.Generator().manual_seed(0)
 
     def jitter(module: Any, args: Any) -> Any:
@@ -474,7 +472,7 @@ def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> 
         noise = torch.randn(x.shape, generator=gen, dtype=x.dtype) * NOISE
         return (x * (1.0 + noise), *args[1:])
 
-    acts = [m for m in fake_quant_modules(model).values() if _is_activation_fq(m)]
+    acts = list(fq.activation_fake_quants(model).values())
     if not acts:
         return 1.0
     handles = [m.register_forward_pre_hook(jitter) for m in acts]
