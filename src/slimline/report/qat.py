@@ -72,8 +72,9 @@ def _floor_text(c: dict[str, Any]) -> str:
         return ""
     return (
         f" Below the {c.get('bound')} bound, but the fake-quant model itself agrees only to "
-        f"{c.get('noise_floor_cosine', 0.0):.5f} with its outputs on inputs moved by float "
-        "rounding-sized noise: the export is as close as a different summation order allows."
+        f"{c.get('noise_floor_cosine', 0.0):.5f} with its own outputs when every value it "
+        "quantizes moves by 1e-6 of itself: the export is as close as a different summation "
+        "order allows."
     )
 
 
