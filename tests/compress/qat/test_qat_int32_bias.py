@@ -13,6 +13,7 @@ from slimline.compress.qat import fakequant as fq
 from slimline.compress.qat._modules import bias_rounding
 from slimline.compress.qat.qdq import fold_constant_quantizers
 from slimline.compress.qat.qdq_fusable import make_file_fusable
+from slimline.cpu import detect
 from slimline.export import export_module
 
 from .test_qat import _tiny
@@ -33,7 +34,7 @@ def _student() -> torch.nn.Module:
                 m.bias.uniform_(-2.0, 2.0)
     batches = _wide()
     example = {"x": torch.from_numpy(batches[0]["x"])}
-    student = fq.prepare(net, example, fq.FakeQuantFormat())
+    student = fq.prepare(net, example, fq.format_for(detect()))  # 7-bit weights without VNNI
     fq.calibrate(student, batches, 32)
     fq.freeze_observers(student)
     return student.eval()
