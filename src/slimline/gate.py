@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .cpu import kernel_view
+
 __all__ = ["Regression", "compare_manifests", "hardware_differences"]
 
 
@@ -123,6 +125,7 @@ def _compare_int8(current: dict[str, Any], baseline: dict[str, Any]) -> tuple[li
     chw, bhw = current.get("hardware") or {}, baseline.get("hardware") or {}
     cv, bv = chw.get("int8"), bhw.get("int8")
     if isinstance(cv, dict) and isinstance(bv, dict):
+        cv, bv = kernel_view(cv), kernel_view(bv)  # what the kernels saw, not where it was read
         if cv != bv:
             return [f"INT8 CPU features {_int8_text(cv)} vs baseline {_int8_text(bv)}"], []
         return [], []

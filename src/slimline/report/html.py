@@ -120,6 +120,9 @@ def hardware_line(manifest: dict[str, Any]) -> str:
     if isinstance(int8, dict):
         present = [k for k, v in int8.items() if k != "kind" and v is True]
         kind = f"{int8.get('kind')} ({', '.join(present) or 'no INT8 extensions'})"
+        text = int8.get("proc_cpuinfo")
+        if isinstance(text, dict):
+            kind += f" as CPUID shows it; /proc/cpuinfo claims {text.get('kind')}"
     else:
         kind = f"INT8 features not recorded (flags: {', '.join(hw.get('flags') or []) or '-'})"
     threads = (manifest.get("target") or {}).get("threads")
