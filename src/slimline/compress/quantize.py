@@ -28,6 +28,7 @@ from .quant.auto import (
     Trial,
     all_failed,
     candidates,
+    clearly_smaller,
     describe,
     forced,
     format_warnings,
@@ -268,6 +269,26 @@ def _trial_summary(s: Search, t: Trial) -> TrialSummary:
     }
 
 
+def _tie_reason(s: Search, t: Trial, chosen: Trial) -> str:
+    """Why ``chosen`` won over ``t``, which was at least as fast: what decided, named."""
+    speeds = f"{s.ratio(chosen):.2f}x vs {s.ratio(t):.2f}x FP32 latency"
+    sizes = f"{chosen.size / 1e6:.1f} vs {t.size / 1e6:.1f} MB"
+    if s.objective == "size" or clearly_smaller(chosen.size, t.size, s.ctx.recipe.budget.min_gain):
+        return (
+            f"within budget, but {chosen.name} is smaller ({sizes}) at {speeds} "
+            f"(objective: {s.objective})"
+        )
+    cos = (
+        f"cosine {chosen.quality.cosine_mean:.4f} vs {t.quality.cosine_mean:.4f}"
+        if chosen.quality and t.quality
+        else "fidelity"
+    )
+    return (
+        f"within budget, but {chosen.name} is as fast ({speeds}), no larger ({sizes}) and "
+        f"more faithful ({cos}) (objective: {s.objective})"
+    )
+
+
 def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
     reason = s.reason(t) if s.cfg.mode == "auto" else f"not chosen: {t.budget_reason}"
     if t.failure is not None:
@@ -278,11 +299,7 @@ def _alternative(s: Search, t: Trial, chosen: Trial, parent: str) -> Candidate:
             f"{s.ratio(t):.2f}x vs {s.ratio(chosen):.2f}x FP32 latency"
         )
         if chosen.latency and chosen.p50() >= t.p50():  # the tie-break or the size objective
-            reason = (
-                f"within budget, but {chosen.name} is smaller ({chosen.size / 1e6:.1f} vs "
-                f"{t.size / 1e6:.1f} MB) at {s.ratio(chosen):.2f}x vs {s.ratio(t):.2f}x FP32 "
-                f"latency (objective: {s.objective})"
-            )
+            reason = _tie_reason(s, t, chosen)
     return Candidate(
         name=t.name,
         step="quantize",

@@ -14,6 +14,8 @@ from slimline.errors import RecipeError
 from slimline.measure.quality import Quality
 from slimline.recipe import recipe_from_dict
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 VNNI = CpuInt8("x86_64", frozenset({"avx2", "avx512bw", "avx512_vnni"}))
 AVX2 = CpuInt8("x86_64", frozenset({"avx2"}))
 ARM = CpuInt8("aarch64", frozenset({"asimddp"}))
@@ -259,3 +261,19 @@ def test_forced_dynamic_mode_quantizes_tables_only_where_there_are_some(tmp_path
     assert [s.embeddings for s, _ in forced(cfg, none, plan)] == [False]
     off = QuantizeConfig(mode="dynamic", quantize_embeddings=False)
     assert [s.embeddings for s, _ in forced(off, tables, plan)] == [False]
+
+
+def test_a_latency_tie_never_goes_to_a_larger_file_for_fidelity(tmp_path: Path) -> None:
+    """What slimline did with minilm on an AVX2 machine: the fastest median was the smaller file
+    (22.8 MB) and a 25.9 MB file tied with it on latency; the larger one won on fidelity and the
+    record called it smaller. Of the ties, only files within ``min_gain`` of the smallest count."""
+    small = _trial(tmp_path, "small", 228, [0.63, 0.64, 0.62, 0.66, 0.63])
+    large = _trial(tmp_path, "large", 259, [0.64, 0.63, 0.65, 0.64, 0.64])
+    small.quality = Quality(0.80, 0.995, 0.98, 0.1, None)
+    large.quality = Quality(0.81, 0.998, 0.99, 0.1, None)
+    assert pick([small, large], "latency", 0.03) is small
+    assert pick([large, small], "latency", 0.03) is small
+    # a file within min_gain of the smallest is as small: fidelity decides between the two
+    close = _trial(tmp_path, "close", 233, [0.64, 0.63, 0.65, 0.64, 0.64])
+    close.quality = Quality(0.81, 0.998, 0.99, 0.1, None)
+    assert pick([small, close, large], "latency", 0.03) is close

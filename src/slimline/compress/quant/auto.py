@@ -36,6 +36,7 @@ __all__ = [
     "all_failed",
     "candidate_specs",
     "candidates",
+    "clearly_smaller",
     "cpu_formats",
     "forced",
     "format_warnings",
@@ -380,14 +381,23 @@ def search(
 
 def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
     """The chosen one of the candidates that qualified. Objective ``size``: the smallest file.
-    Objective ``latency``: among the candidates that run as fast as the fastest median as far
-    as this run can tell (the fastest one does not pass the pipeline's own speed test against
-    them: ``min_gain`` faster at the median of per-round ratios, confirmed by separated bands or
-    the sign test over the interleaved rounds), the smallest file if one is at least ``min_gain``
-    smaller, else the most faithful (mean cosine to FP32), the faster median breaking a tie.
-    Which of two equally fast candidates has the lower median is noise; their fidelity is not."""
+    Objective ``latency``: the candidates that run as fast as the fastest median as far as this
+    run can tell (the fastest one does not pass the pipeline's own speed test against them:
+    ``min_gain`` faster at the median of per-round ratios, confirmed by separated bands or the
+    sign test over the interleaved rounds) are ties; of those, the ones whose file is within
+    ``min_gain`` of the smallest tie's; of those, the most faithful (mean cosine to FP32), the
+    faster median breaking a tie. Which of two equally fast candidates has the lower median is
+    noise; a file ``min_gain`` smaller is not, and neither is fidelity."""
     if objective == "size":
         return min(good, key=lambda t: (t.size, t.p50() if t.latency else 0.0))
+    ties = latency_ties(good, min_gain)
+    smallest = min(t.size for t in ties)
+    small = [t for t in ties if not clearly_smaller(smallest, t.size, min_gain)]
+    return max(small, key=lambda t: (t.quality.cosine_mean if t.quality else -1.0, -t.p50()))
+
+
+def latency_ties(good: list[Trial], min_gain: float) -> list[Trial]:
+    """The fastest median and every candidate it is not measurably faster than."""
     fastest = min(good, key=lambda t: t.p50())
     best = fastest.latency
     assert best is not None
@@ -396,11 +406,12 @@ def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
         assert t.latency is not None
         return speed_verdict(t.latency, best, min_gain)[0] != "faster"
 
-    ties = [t for t in good if t is fastest or as_fast(t)]
-    smaller = [t for t in ties if t.size <= (1.0 - min_gain) * fastest.size]
-    if smaller:
-        return min(smaller, key=lambda t: (t.size, t.p50()))
-    return max(ties, key=lambda t: (t.quality.cosine_mean if t.quality else -1.0, -t.p50()))
+    return [t for t in good if t is fastest or as_fast(t)]
+
+
+def clearly_smaller(size: int, other: int, min_gain: float) -> bool:
+    """Whether a file of ``size`` bytes is at least ``min_gain`` smaller than one of ``other``."""
+    return size <= (1.0 - min_gain) * other
 
 
 def _best_effort(s: Search) -> Trial:
