@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import yaml
 
+from fixtures.cpu_kinds import first_static_label
 from slimline import steps
 from slimline.candidate import Candidate
 from slimline.cli import main
 from slimline.compress.graph import GraphConfig, graph_step
 from slimline.compress.quant import auto
+from slimline.cpu import CpuInt8
 from slimline.errors import DataError, ExportError
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
@@ -61,8 +63,13 @@ def test_a_step_failing_in_a_library_is_rejected_and_the_run_completes(
     assert "optimizer library exploded" in (out / "report.html").read_text()
 
 
+@pytest.mark.cpu_kinds
 def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict,
+    tmp_path: Path,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cpu_kind: CpuInt8,
 ) -> None:
     def broken(*args: Any, **kw: Any) -> Path:
         raise RuntimeError("quantizer internals failed")
@@ -75,7 +82,7 @@ def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
     assert m["status"] == "complete" and m["selected"] == "fp32-onnx"
     q = _by_name(m)["quantize"]
     assert q["accepted"] is False and "every quantized candidate failed" in q["reason"]
-    assert "static QDQ U8S8 per-channel minmax: building failed: RuntimeError" in q["reason"]
+    assert f"{first_static_label(cpu_kind)}: building failed: RuntimeError" in q["reason"]
     trials = q["meta"]["failure"]["candidates"]
     assert len(trials) >= 2 and all("quantizer internals failed" in t["reason"] for t in trials)
     assert (out / "report.html").is_file()

@@ -120,6 +120,7 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
     assert overridden.backend.platform.startswith(other)
 
 
+@pytest.mark.cpu_kinds
 def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
     tiny_recipe: dict, tmp_path: Path, cache: Path
 ) -> None:
@@ -144,6 +145,7 @@ def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
     assert m["selected_runtime"] == "onnxruntime" and set(m["runtimes"]) == {"onnxruntime"}
 
 
+@pytest.mark.cpu_kinds
 def test_the_nncf_step_alone_writes_an_int8_model_both_runtimes_load(
     tiny_recipe: dict, tmp_path: Path, cache: Path
 ) -> None:

@@ -13,6 +13,8 @@ from slimline.examples import mnist, mnist_rep
 from slimline.examples._repnet import RepConv
 from slimline.task import load_task
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 TINY = mnist_rep.Arch(
     stem=8, blocks=((16, 1, 3, False), (16, 2, 5, True), (32, 1, 3, True)), head=32
 )

@@ -22,6 +22,8 @@ pytest.importorskip("openvino", reason="the openvino extra is not installed")
 from slimline.measure.ov import OvRunner
 from slimline.measure.ov_profile import ov_profile_ops
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 RNG = np.random.default_rng(0)
 W1 = RNG.standard_normal((16, 32)).astype(np.float32)
 W2 = RNG.standard_normal((32, 4)).astype(np.float32)

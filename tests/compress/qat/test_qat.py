@@ -24,6 +24,8 @@ from slimline.recipe import recipe_from_dict
 from slimline.steps import check_order, start_forms
 from slimline.task import load_task
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 CPUINFO = Path(__file__).parents[2] / "fixtures" / "cpuinfo"
 DIGITS = Path(__file__).parents[1] / "pruning" / "digits_task.py"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 
 from slimline.compress.qat import fakequant as fq
@@ -16,6 +17,8 @@ from slimline.compress.quant.fallback import kernel_report
 from slimline.export import export_module
 
 from .test_qat import _batches, _tiny
+
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 
 def _quantized_op_outputs(path: Path) -> set[str]:

@@ -12,6 +12,8 @@ from torch.ao.quantization import FakeQuantizeBase
 
 from slimline.compress.qat.step import NOISE, _noise_floor, export_passes
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 class Rounder(FakeQuantizeBase):
     """An activation fake quant on a grid of 1 (no clamp)."""

@@ -19,6 +19,8 @@ from slimline.task import load_task
 
 from .test_qat import DIGITS, _batches, _mk, _prepared, _tiny
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 def _out(model: torch.nn.Module, x: np.ndarray) -> torch.Tensor:
     with torch.no_grad():

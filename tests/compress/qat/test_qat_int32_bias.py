@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 import torch
 
 from slimline.compress.qat import fakequant as fq
@@ -17,6 +18,8 @@ from slimline.cpu import detect
 from slimline.export import export_module
 
 from .test_qat import _tiny
+
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 
 def _wide(n: int = 4, rows: int = 8) -> list[dict[str, np.ndarray]]:

@@ -15,6 +15,8 @@ from slimline.compress.qat import step as qat_step
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 class _Unexportable(nn.Module):
     def __init__(self, inner: nn.Module) -> None:

@@ -19,6 +19,8 @@ from slimline.cpu import detect
 from slimline.export import export_module
 from slimline.recipe import recipe_from_dict
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 class TinyNet(nn.Module):
     def __init__(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from torch import nn
 
@@ -16,6 +17,8 @@ from slimline.compress.qat import fakequant as fq
 from slimline.compress.qat.qdq import fold_constant_quantizers
 from slimline.compress.qat.qdq_fusable import make_file_fusable
 from slimline.export import export_module
+
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 
 class _HardSwishAffine(nn.Module):

@@ -21,6 +21,8 @@ from slimline.errors import StepError
 from slimline.measure.quality import fidelity
 from slimline.measure.runners import ort_session
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 @pytest.fixture(scope="module")
 def cnn(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]

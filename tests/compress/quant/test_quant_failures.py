@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from quant_fixtures import batches, cnn_task, make_ctx
 
+from fixtures.cpu_kinds import first_static_label
 from slimline.candidate import Candidate
 from slimline.compress.quant import auto
 from slimline.compress.quant.calibrate import _bound_bins, calibrate
@@ -19,8 +20,11 @@ from slimline.compress.quant.engine import quantize_model
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import prepare
 from slimline.compress.quantize import quantize_step
+from slimline.cpu import CpuInt8
 from slimline.errors import CandidateError, StepError
 from slimline.measure.runners import check_candidate
+
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 PER_CHANNEL = QuantSpec(mode="static", per_channel=True)
 
@@ -150,7 +154,7 @@ def _sabotage(match: str, how: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("how", ["raise", "invalid"])
 def test_a_failing_trial_is_rejected_with_its_reason_and_the_search_goes_on(
-    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, cpu_kind: CpuInt8
 ) -> None:
     monkeypatch.setattr(auto, "quantize_model", _sabotage("percentile", how))
     task = cnn_task(cnn_onnx)
@@ -161,9 +165,8 @@ def test_a_failing_trial_is_rejected_with_its_reason_and_the_search_goes_on(
     failed = [a for a in ctx.alternatives if "percentile" in a.name]
     assert len(failed) == 1
     reason = failed[0].reason
-    assert reason.startswith(
-        "failed: static QDQ U8S8 per-channel percentile 99.99: building failed"
-    )
+    percentile = first_static_label(cpu_kind, "percentile")
+    assert reason.startswith(f"failed: {percentile}: building failed")
     if how == "raise":
         assert "RuntimeError: quantizer exploded on node /c2/Conv" in reason
         assert failed[0].onnx is None
@@ -172,11 +175,11 @@ def test_a_failing_trial_is_rejected_with_its_reason_and_the_search_goes_on(
         assert "(DequantizeLinear))" in reason  # the node is named
     assert "re-export" not in reason
     summary = {c["label"]: c for c in out.meta["search"]["candidates"]}
-    assert summary["static QDQ U8S8 per-channel percentile 99.99"]["failure"]
+    assert summary[percentile]["failure"]
 
 
 def test_every_trial_failing_fails_the_step_with_each_reason(
-    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_kind: CpuInt8
 ) -> None:
     monkeypatch.setattr(auto, "quantize_model", _sabotage("static", "raise"))
     task = cnn_task(cnn_onnx)
@@ -184,7 +187,7 @@ def test_every_trial_failing_fails_the_step_with_each_reason(
     cfg = QuantizeConfig(samples=16, keep_first_last_float=True)
     with pytest.raises(StepError, match="every quantized candidate failed") as info:
         quantize_step(cfg, Candidate("fp32-onnx", "export", None, onnx=cnn_onnx), ctx)
-    assert "static QDQ U8S8 per-channel minmax: building failed: RuntimeError" in str(info.value)
+    assert f"{first_static_label(cpu_kind)}: building failed: RuntimeError" in str(info.value)
     assert "percentile 99.99: building failed" in str(info.value)
     assert not info.value.user_error and info.value.exit_code == 3
     assert [c["reason"] for c in info.value.details["candidates"]]

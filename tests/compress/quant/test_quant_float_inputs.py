@@ -21,6 +21,8 @@ from slimline.compress.quant.prepare import prepare
 from slimline.cpu import detect as detect_cpu
 from slimline.measure.runners import ort_session
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 def _optimized(path: Path, tmp: Path) -> onnx.GraphProto:
     out = tmp / f"{path.stem}-optimized.onnx"

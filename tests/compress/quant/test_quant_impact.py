@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from slimline.compress.quant.config import QuantSpec
@@ -22,6 +23,8 @@ from slimline.compress.quant.impact import (
 from slimline.compress.quant.layerwise import layer_errors
 from slimline.measure.quality import fidelity
 from slimline.measure.runners import ort_session
+
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 
 def _damped_graph(path: Path) -> None:

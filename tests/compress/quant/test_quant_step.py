@@ -21,6 +21,8 @@ from slimline.cpu import detect as detect_cpu
 from slimline.errors import RecipeError
 from slimline.task import Task
 
+pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
+
 
 def _input(onnx_path: Path) -> Candidate:
     return Candidate("fp32-onnx", "export", None, onnx=onnx_path)
