@@ -14,6 +14,7 @@ import torch
 from slimline.compress.qat import fakequant as fq
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.fallback import kernel_report
+from slimline.cpu import detect
 from slimline.export import export_module
 
 from .test_qat import _batches, _tiny
@@ -33,7 +34,7 @@ def _quantized_op_outputs(path: Path) -> set[str]:
 
 
 def _export(ops: str, tmp: Path) -> tuple[Path, np.ndarray, np.ndarray]:
-    fmt = fq.FakeQuantFormat(ops=ops)  # type: ignore[arg-type]
+    fmt = fq.format_for(detect(), ops=ops)  # type: ignore[arg-type]  # the CPU's own weights
     model = fq.prepare(_tiny(), {"x": torch.from_numpy(_batches()[0]["x"])}, fmt)
     fq.calibrate(model, _batches(), 32)
     exported = fq.export_module_for(model.eval())
