@@ -32,4 +32,10 @@ if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   fi
   rm -rf "$promtool_tmp"
 fi
+# QEMU >= 8's qemu-x86_64 runs the emulated AVX2 lane (scripts/test-cpu-kinds.sh); only that
+# binary is extracted from Debian's qemu-user package (scripts/install-qemu.sh).
+if [ "$(uname -m)" = x86_64 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  bash scripts/install-qemu.sh \
+    || echo "warning: could not install qemu-x86_64; the emulated AVX2 lane fails under CI=true" >&2
+fi
 .venv/bin/python -c "import torch, onnxruntime; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(); print('slimline environment ready: torch', torch.__version__, '| onnxruntime', onnxruntime.__version__)"

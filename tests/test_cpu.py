@@ -162,3 +162,17 @@ def test_this_machines_cpuid_agrees_with_torchs_own_dispatch() -> None:
         assert "avx512bw" in cpu.features
     elif level == "AVX2":
         assert "avx2" in cpu.features and "avx512bw" not in cpu.features
+
+
+@pytest.mark.cpu_kinds
+def test_a_child_python_sees_the_cpu_kind_its_parent_sees() -> None:
+    """Peak-RSS probes, servers and spawn pools are child Pythons: under the emulated lane they
+    must run on the emulated CPU too (qemu-user does not follow exec; the lane's wrapper does)."""
+    import subprocess
+    import sys
+
+    code = "from slimline.cpu import detect; print(detect().kind)"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600
+    )
+    assert child.stdout.strip() == detect().kind
