@@ -23,7 +23,7 @@ import zoo_ppocr_torch_task as task
 from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.compress.quant.calibrate import calibrate
 from slimline.compress.quant.config import QuantSpec
-from slimline.compress.quant.engine import _static, quantize_model
+from slimline.compress.quant.engine import ort_quantize_static, quantize_model
 from slimline.compress.quant.fallback import kernel_report
 from slimline.compress.quant.layerwise import layer_errors
 from slimline.compress.quant.plan import resolve_plan
@@ -52,7 +52,7 @@ def _as_ort_leaves_it(
 ) -> Path:
     """ONNX Runtime's quantizer output alone (no float-input rewrite): what slimline wrote before."""
     with quiet():
-        _static(src, dst, spec, floats, caches)
+        ort_quantize_static(src, dst, spec, floats, caches)
     return dst
 
 
