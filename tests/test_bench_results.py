@@ -76,3 +76,12 @@ def test_every_script_that_publishes_renders_from_its_json_and_names_itself() ->
         assert names == {path.name}, f"{path.name} publishes as {names}"
         functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         assert "render" in functions or path.name == "spine_evidence.py", path.name
+
+
+def test_results_md_is_an_index_of_short_lines_that_links_every_results_file() -> None:
+    index = (BENCH / "RESULTS.md").read_text()
+    rows = [line for line in index.splitlines() if line.startswith("| ") and "---" not in line]
+    headlines = [row.strip("| ").rsplit(" | ", 1)[1] for row in rows[1:]]
+    assert len(headlines) >= 10 and max(len(h) for h in headlines) <= 100
+    linked = set(re.findall(r"\]\((RESULTS-[\w-]+\.md)\)", index))
+    assert linked == {p.name for p in BENCH.glob("RESULTS-*.md")}
