@@ -59,9 +59,11 @@ def _every_layer(spec: QuantSpec, samples: int) -> QuantizeConfig:
     """The quantize step applying ``spec`` to every layer (no float layers, no mixed precision)."""
     fields = spec.to_dict()
     tables = bool(fields.pop("embeddings", False))  # the step's name for it
+    fields["quantize_ops"] = fields.pop("ops")
+    if fields["mode"] == "dynamic":  # the only mode that reads it
+        fields["quantize_embeddings"] = tables
     return QuantizeConfig(
         **fields,
-        quantize_embeddings=tables,
         samples=samples,
         keep_first_last_float=False,
         mixed_precision=False,
