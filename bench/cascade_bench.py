@@ -245,33 +245,49 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             atomic_write_bytes(args.out.with_suffix(".png"), (work / "cascade.png").read_bytes())
     checks = [acc, *serve_checks]
-    held = acc_doc["held_out"]
+    doc = {
+        "command": reproduce_command("cascade_bench.py", argv),
+        "cpu": kind.kind,
+        "features": sorted(kind.features),
+        "cores": os.cpu_count(),
+        "load_end": os.getloadavg()[0],
+        "edge": selected,
+        "run": args.run.name,
+        "calibration_target": args.calibration_target,
+        "accuracy": acc_doc,
+        "serving": serve_doc,
+        "checks": [c.to_dict() for c in checks],
+    }
+    publish(render(doc), doc, args.out, "cascade_bench.py")
+    return 0 if all(c.passed for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    acc_doc = doc["accuracy"]
+    held, pick_ = acc_doc["held_out"], acc_doc["in_sample_pick"]
+    checks = [Check(**c) for c in doc["checks"]]
     lines = [
         "## Edge-cloud cascade on mnist (issue 17)",
         "",
-        f"CPU: {kind.kind} ({', '.join(sorted(kind.features))}), {os.cpu_count()} cores, "
-        f"shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end). Edge: "
-        f"`{selected}` of {args.run.name} (pruned + INT8); cloud: its `fp32-onnx`. Edge and "
+        f"CPU: {doc['cpu']} ({', '.join(doc['features'])}), {doc['cores']} cores, "
+        f"shared with other jobs (load average {doc['load_end']:.1f} at the end). Edge: "
+        f"`{doc['edge']}` of {doc['run']} (pruned + INT8); cloud: its `fp32-onnx`. Edge and "
         "cloud servers share this machine's cores.",
         "",
         f"- in-sample (all {acc_doc['rows']} evaluation digits): edge "
         f"{acc_doc['edge_metric']:.4f}, cloud {acc_doc['cloud_metric']:.4f}; best at <= 20% "
-        f"escalation {acc_doc['in_sample_pick']['metric']:.4f} at "
-        f"{acc_doc['in_sample_pick']['escalation']:.1%} (threshold "
-        f"{acc_doc['in_sample_pick']['threshold']:.4f})",
-        f"- threshold calibrated on the even rows for {args.calibration_target:.0%} escalation "
+        f"escalation {pick_['metric']:.4f} at {pick_['escalation']:.1%} (threshold "
+        f"{pick_['threshold']:.4f})",
+        f"- threshold calibrated on the even rows for {doc['calibration_target']:.0%} escalation "
         f"(a margin under the 20% limit): {held['threshold']:.4f} (softmax top-1); at 20% "
         "the held-out rate overshot to 20.8% in an earlier run",
         *(f"- {claim(c, c.name)}" for c in checks),
         "",
         "Curve (in-sample): `RESULTS-edge-cascade.png`.",
     ]
-    doc = {"cpu": kind.kind, "accuracy": acc_doc, "serving": serve_doc,
-           "checks": [c.to_dict() for c in checks]}  # fmt: skip
-    cmd = reproduce_command("cascade_bench.py", argv)
-    publish("\n".join([*lines, *reproduce_footer(cmd)]), doc, args.out)
-    return 0 if all(c.passed for c in checks) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n".join([*lines, *reproduce_footer(doc["command"])])

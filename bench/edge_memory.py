@@ -110,12 +110,12 @@ def _rows_table(prof: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _section(name: str, onnx: Path, prof: dict[str, Any], check: Check) -> list[str]:
-    front = _frontier(prof)
-    lw, lp = front["least_within_cost"], front["least_peak"]
-    default = prof["default"]
+def _section(name: str, prof: dict[str, Any]) -> list[str]:
+    lw, lp = prof["least_within_cost"], prof["least_peak"]
+    default, check = prof["default"], prof["check"]
+    met = "met" if check["status"] == "passed" else "not met"
     lines = [
-        f"### {name} ({onnx.name}, {onnx.stat().st_size / 2**20:.1f} MB file, "
+        f"### {name} ({prof['model']}, {prof['file_mb']:.1f} MB file, "
         f"{'varying' if prof['varying_shapes'] else 'fixed'} input shapes)",
         "",
         f"- defaults ({default['label']}): peak {figure(default['peak_rss_mb'], '.1f', ' MB')} "
@@ -128,7 +128,7 @@ def _section(name: str, onnx: Path, prof: dict[str, Any], check: Check) -> list[
             if prof["chosen"]
             else f"none ({prof['no_fit']})"
         ),
-        f"- target: {'met' if check.passed else 'not met'} ({check.detail})",
+        f"- target: {met} ({check['detail']})",
         f"- frontier: smallest peak within 15% p50: {lw['label']}, {lw['ratios']['peak']:.2f}x "
         f"the defaults' peak ({lw['ratios']['model']:.2f}x above the imports), p50 "
         f"{lw['ratios']['p50']:.2f}x; smallest peak of all: {lp['label']}, "
@@ -150,18 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = ap.parse_args(argv)
     kind = cpu.detect()
-    cpu_text = f"{kind.kind} ({', '.join(sorted(kind.features))})"
-    lines = [
-        "## Memory profile at batch 1 (issue 17)",
-        "",
-        f"CPU: {cpu_text}, {os.cpu_count()} cores; {args.threads} target threads; measured "
-        "while other jobs shared the machine (load average "
-        f"{os.getloadavg()[0]:.1f} at the start).",
-        "Peak RSS is the whole process's VmHWM (Python, numpy and ONNX Runtime imported, about "
-        "70 MB before any model); 'above imports' is the part above the post-import RSS.",
-        "",
-    ]
-    doc: dict[str, Any] = {"cpu": cpu_text, "load_start": os.getloadavg(), "models": {}}
+    doc: dict[str, Any] = {
+        "command": reproduce_command("edge_memory.py", argv),
+        "cpu": f"{kind.kind} ({', '.join(sorted(kind.features))})",
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "load_start": os.getloadavg(),
+        "models": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         targets: list[tuple[str, Path, Any]] = []
         for name in args.models:
@@ -177,12 +173,28 @@ def main(argv: list[str] | None = None) -> int:
         for name, onnx, sample in targets:
             prof = _profile(onnx, sample, args.threads, args.rounds, args.runs)
             check = _check(name, prof)
-            lines += _section(name, onnx, prof, check)
-            doc["models"][name] = {**prof, "check": check.to_dict(), **_frontier(prof)}
+            size = {"file_mb": onnx.stat().st_size / 2**20}
+            doc["models"][name] = {**prof, **size, "check": check.to_dict(), **_frontier(prof)}
             print(f"{name}: {check.status} {check.detail}", file=sys.stderr)
-    cmd = reproduce_command("edge_memory.py", argv)
-    publish("\n".join([*lines, *reproduce_footer(cmd)]), doc, args.out)
+    publish(render(doc), doc, args.out, "edge_memory.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    lines = [
+        "## Memory profile at batch 1 (issue 17)",
+        "",
+        f"CPU: {doc['cpu']}, {doc['cores']} cores; {doc['threads']} target threads; measured "
+        "while other jobs shared the machine (load average "
+        f"{doc['load_start'][0]:.1f} at the start).",
+        "Peak RSS is the whole process's VmHWM (Python, numpy and ONNX Runtime imported, about "
+        "70 MB before any model); 'above imports' is the part above the post-import RSS.",
+        "",
+    ]
+    for name, prof in doc["models"].items():
+        lines += _section(name, prof)
+    return "\n".join([*lines, *reproduce_footer(doc["command"])])
 
 
 if __name__ == "__main__":

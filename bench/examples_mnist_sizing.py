@@ -94,7 +94,7 @@ def _train_steps(threads: int, clock: object, n: int = 8) -> np.ndarray:
     return np.array(out[2:])
 
 
-def sizing(work: Path) -> tuple[list[str], dict[str, Any]]:
+def sizing(work: Path) -> dict[str, Any]:
     net = mnist.build().eval()
     x = mnist._split()[0][:1]
     onnx, meta = _export(work)
@@ -105,20 +105,10 @@ def sizing(work: Path) -> tuple[list[str], dict[str, Any]]:
     steps = mnist.TRAIN.epochs * -(-4000 // mnist.TRAIN.batch)
     st1 = _train_steps(1, time.thread_time)
     st2 = _train_steps(2, time.perf_counter)
-    lines = [
-        f"mnist example: {params / 1e6:.2f} M parameters, arch {mnist.ARCH}; export (opset "
-        f"{meta['opset']}) verified against PyTorch: max abs error {check['max_abs_err']:.3g}",
-        f"ORT batch 1, 2 threads, wall ms/image: min {wall.min():.2f} "
-        f"p10 {np.percentile(wall, 10):.2f} p50 {np.median(wall):.2f}",
-        f"ORT batch 1, 1 thread, CPU ms/image: p10 {np.percentile(cpu, 10):.2f} "
-        f"p50 {np.median(cpu):.2f}",
-        f"training: {steps} steps of batch {mnist.TRAIN.batch}; 1 thread CPU s/step p50 "
-        f"{np.median(st1):.3f} -> {np.median(st1) * steps:.0f} CPU-s",
-        f"training, 2 threads, wall s/step min {st2.min():.3f} p50 {np.median(st2):.3f} -> "
-        f"{st2.min() * steps:.0f} s (min) / {np.median(st2) * steps:.0f} s (p50)",
-    ]
-    doc = {
+    return {
         "params": params,
+        "arch": str(mnist.ARCH),
+        "train_batch": mnist.TRAIN.batch,
         "export": {"opset": meta["opset"], **check},
         "ort_wall_ms_2t": wall.tolist(),
         "ort_cpu_ms_1t": cpu.tolist(),
@@ -126,7 +116,26 @@ def sizing(work: Path) -> tuple[list[str], dict[str, Any]]:
         "train_cpu_s_1t": st1.tolist(),
         "train_wall_s_2t": st2.tolist(),
     }
-    return lines, doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    wall, cpu = np.array(doc["ort_wall_ms_2t"]), np.array(doc["ort_cpu_ms_1t"])
+    st1, st2 = np.array(doc["train_cpu_s_1t"]), np.array(doc["train_wall_s_2t"])
+    steps, check = doc["train_steps"], doc["export"]
+    lines = [
+        f"mnist example: {doc['params'] / 1e6:.2f} M parameters, arch {doc['arch']}; export (opset "
+        f"{check['opset']}) verified against PyTorch: max abs error {check['max_abs_err']:.3g}",
+        f"ORT batch 1, 2 threads, wall ms/image: min {wall.min():.2f} "
+        f"p10 {np.percentile(wall, 10):.2f} p50 {np.median(wall):.2f}",
+        f"ORT batch 1, 1 thread, CPU ms/image: p10 {np.percentile(cpu, 10):.2f} "
+        f"p50 {np.median(cpu):.2f}",
+        f"training: {steps} steps of batch {doc['train_batch']}; 1 thread CPU s/step p50 "
+        f"{np.median(st1):.3f} -> {np.median(st1) * steps:.0f} CPU-s",
+        f"training, 2 threads, wall s/step min {st2.min():.3f} p50 {np.median(st2):.3f} -> "
+        f"{st2.min() * steps:.0f} s (min) / {np.median(st2) * steps:.0f} s (p50)",
+    ]
+    return "\n".join([*(f"- {line}" for line in lines), *reproduce_footer(doc["command"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="markdown (and .json beside it)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        lines, doc = sizing(Path(tmp))
-    cmd = reproduce_command("examples_mnist_sizing.py", argv)
-    publish("\n".join([*(f"- {line}" for line in lines), *reproduce_footer(cmd)]), doc, args.out)
+        doc = sizing(Path(tmp))
+    doc["command"] = reproduce_command("examples_mnist_sizing.py", argv)
+    publish(render(doc), doc, args.out, "examples_mnist_sizing.py")
     return 0
 
 

@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         "highest_sustained_rate": max(sustained) if sustained else None,
         "client_round_trip_ms": costs,
     }
-    cmd = "nice -n 10 " + reproduce_command("loadtest_accuracy.py", argv)
+    doc["command"] = "nice -n 10 " + reproduce_command("loadtest_accuracy.py", argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    publish("\n".join([table(doc), *reproduce_footer(cmd)]), doc, args.out)
+    publish(render(doc), doc, args.out, "loadtest_accuracy.py")
     return 0
 
 
@@ -192,6 +192,11 @@ def table(doc: dict[str, Any]) -> str:
         f"aiohttp {c['aiohttp']:.3f} ms (ratio {c['aiohttp'] / c['lean']:.3f})"
     )
     return "\n".join(lines)
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return "\n".join([table(doc), *reproduce_footer(doc["command"])])
 
 
 if __name__ == "__main__":

@@ -56,20 +56,22 @@ def measure(mode: str, stall: bool, duration: float) -> dict[str, Any]:
     }
 
 
-def _markdown(rows: list[dict[str, Any]], duration: float, cmd: str) -> str:
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
     lines = [
-        f"Coordinated omission: one 1 s stall, {duration:g} s per run, open vs closed loop.",
+        f"Coordinated omission: one 1 s stall, {doc['duration_s']:g} s per run, open vs closed "
+        "loop.",
         "",
         "| loop | stall | requests | achieved rps | p50 ms | p95 ms | p99 ms | p99.9 ms | max ms |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in doc["rows"]:
         cells = " | ".join(f"{r[k]:.1f}" for k in KEYS)
         lines.append(
             f"| {r['mode']} | {'1 s once' if r['stall'] else 'none'} | {r['requests']} | "
             f"{r['achieved_rate']:.1f} | {cells} |"
         )
-    return "\n".join([*lines, *reproduce_footer(cmd)])
+    return "\n".join([*lines, *reproduce_footer(doc["command"])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     cmd = "nice -n 10 " + reproduce_command("loadtest_coordinated_omission.py", argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"duration_s": args.duration, "rows": rows}
-    publish(_markdown(rows, args.duration, cmd), doc, args.out)
+    doc = {"command": cmd, "duration_s": args.duration, "rows": rows}
+    publish(render(doc), doc, args.out, "loadtest_coordinated_omission.py")
     return 0
 
 

@@ -151,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         for c in tune["configs"]
     ]
     cmd = "nice -n 10 " + reproduce_command("loadtest_models.py", argv)
-    publish(_markdown(doc, cmd), doc, args.out)
+    doc["command"] = cmd
+    publish(render(doc), doc, args.out, "loadtest_models.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

@@ -231,11 +231,6 @@ def put_section(path: Path, key: str, section: str) -> None:
     atomic_write_text(path, text)
 
 
-def kept_sections(text: str) -> list[str]:
-    """The sections this script put into a results file (for the script that rewrites it)."""
-    return re.findall(r"<!-- optimize-wall:[^ ]+ -->.*?<!-- /optimize-wall:[^ ]+ -->", text, re.S)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("recipe", help="built-in recipe name or YAML file")

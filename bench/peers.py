@@ -194,18 +194,16 @@ def verdict(r: dict[str, Any]) -> str:
     )
 
 
-def markdown(results: list[dict[str, Any]], command: str, load: list[float]) -> str:
-    import onnxruntime
-
-    cpu = detect()
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
     lines = [
         "# slimline's pick against the ONNX Runtime recipes a user tries first",
         "",
-        f"CPU: {cpu.describe()}, {os.cpu_count()} cores; ONNX Runtime {onnxruntime.__version__}; "
-        f"load average before: {', '.join(f'{x:.1f}' for x in load)}.",
+        f"CPU: {doc['cpu_text']}, {doc['cores']} cores; ONNX Runtime {doc['onnxruntime']}; "
+        f"load average before: {', '.join(f'{x:.1f}' for x in doc['load_before'])}.",
         "",
     ]
-    for r in results:
+    for r in doc["results"]:
         b = r["budget"]
         lines += [
             f"## {r['model']} ({r['threads']} threads; {r['metric_name']} FP32 "
@@ -223,7 +221,7 @@ def markdown(results: list[dict[str, Any]], command: str, load: list[float]) -> 
                 f"{row['size_mb']:.1f} | {'yes' if row['in_budget'] else 'no'} |"
             )
         lines += ["", verdict(r), ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n".join(reproduce_footer(doc["command"]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,9 +238,19 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             results.append(measure(model, Path(tmp), args))
-    cmd = reproduce_command("peers.py", argv)
-    text = markdown(results, cmd, load) + "\n".join(reproduce_footer(cmd))
-    publish(text, {"command": cmd, "cpu": detect().to_dict(), "results": results}, args.out)
+    import onnxruntime
+
+    cpu = detect()
+    doc = {
+        "command": reproduce_command("peers.py", argv),
+        "cpu": cpu.to_dict(),
+        "cpu_text": cpu.describe(),
+        "cores": os.cpu_count(),
+        "onnxruntime": onnxruntime.__version__,
+        "load_before": load,
+        "results": results,
+    }
+    publish(render(doc), doc, args.out, "peers.py")
 
 
 if __name__ == "__main__":

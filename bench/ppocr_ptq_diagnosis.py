@@ -23,7 +23,7 @@ import zoo_ppocr_torch_task as task
 from bench_out import publish, reproduce_command, reproduce_footer
 from slimline.compress.quant.calibrate import calibrate
 from slimline.compress.quant.config import QuantSpec
-from slimline.compress.quant.engine import _static, quantize_model
+from slimline.compress.quant.engine import ort_quantize_static, quantize_model
 from slimline.compress.quant.fallback import kernel_report
 from slimline.compress.quant.layerwise import layer_errors
 from slimline.compress.quant.plan import resolve_plan
@@ -52,7 +52,7 @@ def _as_ort_leaves_it(
 ) -> Path:
     """ONNX Runtime's quantizer output alone (no float-input rewrite): what slimline wrote before."""
     with quiet():
-        _static(src, dst, spec, floats, caches)
+        ort_quantize_static(src, dst, spec, floats, caches)
     return dst
 
 
@@ -77,12 +77,11 @@ def _quant_count(path: Path) -> int:
     return sum(n.op_type == "QuantizeLinear" for n in onnx.load(str(path)).graph.node)
 
 
-def _placements(work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any) -> list[str]:
+def _placements(
+    work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any
+) -> list[dict[str, Any]]:
     plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=True)
-    lines = [
-        "| placement | calibration | weights | QuantizeLinear | cosine to FP32 | text-mask IoU |",
-        "|---|---|---|---|---|---|",
-    ]
+    out = []
     settings = [
         ("all", "minmax", True),
         ("all", "percentile", True),
@@ -99,18 +98,27 @@ def _placements(work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any)
         )
         cos, iou = _fidelity(path, ref, rows)
         gran = "per-channel" if per_channel else "per-tensor"
-        lines.append(
-            f"| {ops} ops | {cal} | {gran} | {_quant_count(path)} | {cos:.4f} | {iou:.4f} |"
-        )
-    return lines
+        out.append(
+            {"ops": ops, "calibration": cal, "weights": gran, "quantize_linear": _quant_count(path),
+             "cosine": cos, "iou": iou}
+        )  # fmt: skip
+    return out
 
 
-def _mixed(work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any) -> list[str]:
-    lines = [
-        "| placement | nodes kept float | float nodes as | float kernels run | cosine to FP32 | "
-        "text-mask IoU |",
+def _placement_table(rows: list[dict[str, Any]]) -> list[str]:
+    return [
+        "| placement | calibration | weights | QuantizeLinear | cosine to FP32 | text-mask IoU |",
         "|---|---|---|---|---|---|",
+        *(
+            f"| {r['ops']} ops | {r['calibration']} | {r['weights']} | {r['quantize_linear']} | "
+            f"{r['cosine']:.4f} | {r['iou']:.4f} |"
+            for r in rows
+        ),
     ]
+
+
+def _mixed(work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any) -> list[dict[str, Any]]:
+    out = []
     for ops in ("all", "compute"):
         spec = QuantSpec("static", ops=ops)
         base = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
@@ -131,12 +139,25 @@ def _mixed(work: Path, prepared: Prepared, calib: Any, ref: Any, rows: Any) -> l
                     path = _as_ort_leaves_it(prepared.path, dst, spec, floats, calib.caches)
                 report = kernel_report(path, THREADS)
                 cos, iou = _fidelity(path, ref, rows)
-                kernels = report["compute_kernels"] - report["int8_kernels"]
-                lines.append(
-                    f"| {ops} ops | {k} | {how if k else '-'} | {kernels} of "
-                    f"{report['compute_kernels']} | {cos:.4f} | {iou:.4f} |"
-                )
-    return lines
+                out.append(
+                    {"ops": ops, "float_nodes": k, "how": how if k else "-",
+                     "float_kernels": report["compute_kernels"] - report["int8_kernels"],
+                     "compute_kernels": report["compute_kernels"], "cosine": cos, "iou": iou}
+                )  # fmt: skip
+    return out
+
+
+def _mixed_table(rows: list[dict[str, Any]]) -> list[str]:
+    return [
+        "| placement | nodes kept float | float nodes as | float kernels run | cosine to FP32 | "
+        "text-mask IoU |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['ops']} ops | {r['float_nodes']} | {r['how']} | {r['float_kernels']} of "
+            f"{r['compute_kernels']} | {r['cosine']:.4f} | {r['iou']:.4f} |"
+            for r in rows
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,32 +167,39 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ppocr-ptq-") as tmp:
         work = Path(tmp)
         prepared, calib, ref, rows = _setup(work)
-        placement = _placements(work, prepared, calib, ref, rows)
-        mixed = _mixed(work, prepared, calib, ref, rows)
-    text = "\n".join(
-        [
-            "# PTQ on PP-OCRv4's text detector: where the error comes from (issue 16)",
-            "",
-            f"{len(rows)} evaluation rows (160 x 160), {calib.samples} calibration rows; "
-            "U8S8 static QDQ; fidelity only (no timing).",
-            "",
-            "## Op placement and calibration (first and last compute layers float)",
-            "",
-            *placement,
-            "",
-            "## Mixed precision: the worst nodes of the layer-wise ranking kept float",
-            "",
-            *mixed,
-            *reproduce_footer(
-                reproduce_command(
-                    "ppocr_ptq_diagnosis.py", ["--out", str(args.out)] if args.out else []
-                )
+        doc = {
+            "command": reproduce_command(
+                "ppocr_ptq_diagnosis.py", ["--out", str(args.out)] if args.out else []
             ),
-        ]
-    )
-    publish(text, {"placement": placement, "mixed": mixed}, args.out)
+            "rows": len(rows),
+            "calibration_rows": calib.samples,
+            "placement": _placements(work, prepared, calib, ref, rows),
+            "mixed": _mixed(work, prepared, calib, ref, rows),
+        }
+    publish(render(doc), doc, args.out, "ppocr_ptq_diagnosis.py")
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return "\n".join(
+        [
+            "# PTQ on PP-OCRv4's text detector: where the error comes from (issue 16)",
+            "",
+            f"{doc['rows']} evaluation rows (160 x 160), {doc['calibration_rows']} calibration "
+            "rows; U8S8 static QDQ; fidelity only (no timing).",
+            "",
+            "## Op placement and calibration (first and last compute layers float)",
+            "",
+            *_placement_table(doc["placement"]),
+            "",
+            "## Mixed precision: the worst nodes of the layer-wise ranking kept float",
+            "",
+            *_mixed_table(doc["mixed"]),
+            *reproduce_footer(doc["command"]),
+        ]
+    )

@@ -281,13 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
     )  # step times
     cmd = "nice -n 10 " + reproduce_command("prune_bench.py", argv)
-    parts = [
-        "# Structured pruning benchmark",
-        "",
-        f"python {platform.python_version()}; every figure from one recipe run per example.",
-        "",
-    ]
-    doc: dict[str, Any] = {"command": cmd, "examples": {}}
+    doc: dict[str, Any] = {"command": cmd, "python": platform.python_version(), "examples": {}}
     if args.from_run and len(args.from_run) != len(args.examples):
         parser.error("--from-run takes one run directory per example")
     for i, example in enumerate(args.examples):
@@ -305,14 +299,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.cache
             else "cold step cache"
         )
-        parts.append(_section(example, figures, cmd))
         doc["examples"][example] = {
             **figures,
             "targets": {name: ok for name, ok in _checks(example, figures)},
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    publish("\n".join([*parts, *reproduce_footer(cmd)]), doc, args.out)
+    publish(render(doc), doc, args.out, "prune_bench.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    parts = [
+        "# Structured pruning benchmark",
+        "",
+        f"python {doc['python']}; every figure from one recipe run per example.",
+        "",
+        *(_section(example, f, doc["command"]) for example, f in doc["examples"].items()),
+    ]
+    return "\n".join([*parts, *reproduce_footer(doc["command"])])
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"Plans of `{doc['task']}` before recovery ({doc['stack']}, {doc['layers']} layers; "
         f"dynamic S8 per-channel INT8, batch 1, {doc['threads']} threads, {doc['rounds']} "
         f"interleaved rounds; loss on {doc['samples']} evaluation rows; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        f"{doc['written']}).",
         "",
         "Layer sensitivity (each dropped alone): "
         + ", ".join(f"layer {r['layer']}: loss {r['loss']:.4f} (cosine {r['cosine']:.4f})" for r in rows),
@@ -109,8 +109,17 @@ def main(argv: list[str] | None = None) -> int:
         doc = depth_plans(
             args.task, args.widths, args.rounds, args.threads, args.samples, Path(tmp)
         )
-    publish(_markdown(doc, reproduce_command("prune_depth_plans.py", argv)), doc, args.out)
+    doc.update(
+        command=reproduce_command("prune_depth_plans.py", argv),
+        written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    publish(render(doc), doc, args.out, "prune_depth_plans.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

@@ -178,8 +178,7 @@ def depth_recovery(
 def _markdown(doc: dict[str, Any], cmd: str) -> str:
     m = doc["metric_name"]
     lines = [
-        f"Depth recovery variants ({doc['task']}), "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}:",
+        f"Depth recovery variants ({doc['task']}), {doc['written']}:",
         "",
         f"| variant | kept layers | hidden-state map | steps | lr | feature weight | dropout "
         f"| s | cosine to FP32 | {m} (FP32 {doc['fp32_metric']:.4f}) | + INT8 cosine | + INT8 {m} |",
@@ -226,8 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         doc = depth_recovery(
             args.fp32_run, args.recipe, args.variant, args.threads, Path(tmp), args.out
         )
-    publish(_markdown(doc, reproduce_command("prune_depth_recovery.py", argv)), doc, args.out)
+    doc.update(
+        command=reproduce_command("prune_depth_recovery.py", argv),
+        written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    publish(render(doc), doc, args.out, "prune_depth_recovery.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

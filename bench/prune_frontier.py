@@ -59,9 +59,11 @@ def _every_layer(spec: QuantSpec, samples: int) -> QuantizeConfig:
     """The quantize step applying ``spec`` to every layer (no float layers, no mixed precision)."""
     fields = spec.to_dict()
     tables = bool(fields.pop("embeddings", False))  # the step's name for it
+    fields["quantize_ops"] = fields.pop("ops")
+    if fields["mode"] == "dynamic":  # the only mode that reads it
+        fields["quantize_embeddings"] = tables
     return QuantizeConfig(
         **fields,
-        quantize_embeddings=tables,
         samples=samples,
         keep_first_last_float=False,
         mixed_precision=False,
@@ -165,7 +167,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
     lines = [
         f"Pruning frontier of `{doc['task']}` ({doc['spec']} on each run's pruned model; "
         f"batch 1, {doc['threads']} threads, {doc['repeats']} repeats x {doc['rounds']} "
-        f"interleaved rounds x {doc['runs']} runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        f"interleaved rounds x {doc['runs']} runs; {doc['written']}).",
         "",
         f"| run | MACs removed | pruned cosine (step) | pruned + INT8 cosine | {metric} (FP32 "
         f"{doc['fp32_metric']:.4f}) | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio "
@@ -231,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             args.int8_only,
         )
     cmd = reproduce_command("prune_frontier.py", argv)
-    publish(_markdown(doc, cmd), doc, args.out)
+    doc.update(command=cmd, written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    publish(render(doc), doc, args.out, "prune_frontier.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
     lines = [
         f"More recovery for `{Path(doc['entry']).name}` ({doc['task']}): {doc['steps']} steps at "
         f"lr {doc['lr']:g} on {doc['data']} data, {doc['seconds']:.0f} s; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"{doc['written']}.",
         "",
         f"| model | cosine to FP32 | {m} (FP32 {doc['fp32_metric']:.4f}) |",
         "|---|---|---|",
@@ -183,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             args.samples,
         )
     cmd = reproduce_command("prune_more_recovery.py", argv)
-    publish(_markdown(doc, cmd), doc, args.out)
+    doc.update(command=cmd, written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    publish(render(doc), doc, args.out, "prune_more_recovery.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def _markdown(doc: dict[str, Any], cmd: str) -> str:
         f"Pruned + INT8 latency per plan, no recovery (`{doc['task']}`, {doc['spec']}, "
         f"exported at opset {doc['opset']} and verified against PyTorch, batch 1, "
         f"{doc['threads']} threads, {doc['repeats']} repeats x {doc['rounds']} interleaved "
-        f"rounds; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        f"rounds; {doc['written']}).",
         "",
         "| plan | MACs removed | predicted loss | export check: min cosine | runs INT8 | pruned + INT8 / FP32 ONNX: median per-round ratio (repeats) |",
         "|---|---|---|---|---|---|",
@@ -203,8 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             args.samples,
         )
     cmd = reproduce_command("prune_plan_latency.py", argv)
-    publish(_markdown(doc, cmd), doc, args.out)
+    doc.update(command=cmd, written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    publish(render(doc), doc, args.out, "prune_plan_latency.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["command"])
 
 
 if __name__ == "__main__":

@@ -152,29 +152,57 @@ def _share(v: dict[str, Any], key: str, ptq_in_budget: bool, suffix: str = "") -
     return f"{share:.0%} of {lost:.4f} recovered (target >= 70%: {met})"
 
 
-def _report(m: dict[str, Any], wall: float, cmd: str) -> tuple[str, dict[str, Any]]:
+def _doc(m: dict[str, Any], wall: float, cmd: str) -> dict[str, Any]:
+    """What the results section shows, taken from the run's manifest."""
     cand = _qat(m)
     hw = m.get("hardware", {})
-    kind = (hw.get("int8") or {}).get("kind", "unknown")
-    load = m.get("measurement_conditions", {})
+    recipe = m.get("recipe") or {}
+    doc: dict[str, Any] = {
+        "command": cmd,
+        "recipe": recipe.get("name", RECIPE),
+        "cpu_kind": (hw.get("int8") or {}).get("kind", "unknown"),
+        "cpu": hw.get("cpu", ""),
+        "threads": recipe.get("target", {}).get("threads"),
+        "conditions": m.get("measurement_conditions", {}),
+        "wall_s": wall,
+        "qat": None,
+    }
+    if cand is None:
+        return doc
+    meta = cand["meta"]
+    doc["comparison"] = meta["comparison"]
+    doc["qat"] = {
+        "accepted": bool(cand.get("accepted")),
+        "reason": cand.get("reason"),
+        "label": meta["label"],
+        "export_check": meta["export_check"],
+        "kernels": meta["kernels"]["summary"],
+        "batchnorm": meta["freezing"]["batchnorm"],
+        "observers": meta["freezing"]["observers"],
+        "step_wall_s": meta["step_wall_s"],
+    }
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    wall, qat = doc["wall_s"], doc["qat"]
     lines = [
-        f"# QAT on {(m.get('recipe') or {}).get('name', RECIPE)} (issue 16)",
+        f"# QAT on {doc['recipe']} (issue 16)",
         "",
-        f"CPU kind: **{kind}** ({hw.get('cpu', '')}); {(m.get('recipe') or {}).get('target', {}).get('threads')} threads. "
+        f"CPU kind: **{doc['cpu_kind']}** ({doc['cpu']}); {doc['threads']} threads. "
         "The machine was shared with other jobs while this ran (load noted below): absolute "
         "times are inflated, ratios come from one interleaved measurement.",
-        f"Measurement conditions: `{json.dumps(load)[:300]}`",
+        f"Measurement conditions: `{json.dumps(doc['conditions'])[:300]}`",
         "",
     ]
-    doc: dict[str, Any] = {"wall_s": wall, "cpu_kind": kind}
-    if cand is None:
+    if qat is None:
         lines.append(f"No QAT candidate in the run: {NOT_MEASURED}.")
-        return "\n".join(lines + reproduce_footer(cmd)), doc
-    meta = cand["meta"]
-    comp = meta["comparison"]
+        return "\n".join(lines + reproduce_footer(doc["command"]))
+    comp = doc["comparison"]
     v = comp["verdicts"]
     lines += [
-        f"QAT candidate: {'kept' if cand.get('accepted') else 'rejected'}: {cand.get('reason')}",
+        f"QAT candidate: {'kept' if qat['accepted'] else 'rejected'}: {qat['reason']}",
         "",
         "| model | metric | cosine to FP32 | p50 ms | size | ops in INT8 |",
         "|---|---|---|---|---|---|",
@@ -184,7 +212,7 @@ def _report(m: dict[str, Any], wall: float, cmd: str) -> tuple[str, dict[str, An
         for k in NAMES
         if (r := comp["rows"].get(k)) is not None
     ]
-    lines.append(_row(f"QAT ({meta['label']})", comp["rows"]["qat"]))
+    lines.append(_row(f"QAT ({qat['label']})", comp["rows"]["qat"]))
     mixed = v.get("latency_vs_ptq_mixed")
     ptq_ok = bool(comp["rows"].get("ptq_full", {}).get("budget_ok"))
     lines += [
@@ -212,14 +240,13 @@ def _report(m: dict[str, Any], wall: float, cmd: str) -> tuple[str, dict[str, An
                 else "not applicable: full PTQ met the budget, no mixed-precision model was built"
             )
         ),
-        f"- export check (ONNX Runtime vs fake-quant torch): {meta['export_check']}",
-        f"- fallback detection: {meta['kernels']['summary']}",
-        f"- BatchNorm: {meta['freezing']['batchnorm']}; ranges: {meta['freezing']['observers']}",
-        f"- QAT step wall time: {meta['step_wall_s']} s; whole recipe (fresh step cache, trained "
+        f"- export check (ONNX Runtime vs fake-quant torch): {qat['export_check']}",
+        f"- fallback detection: {qat['kernels']}",
+        f"- BatchNorm: {qat['batchnorm']}; ranges: {qat['observers']}",
+        f"- QAT step wall time: {qat['step_wall_s']} s; whole recipe (fresh step cache, trained "
         f"weights cached): {wall:.0f} s (target < 600 s: {'met' if wall < 600 else 'NOT met'})",
     ]
-    doc.update({"comparison": comp, "qat": {k: meta[k] for k in ("label", "export_check")}})
-    return "\n".join(lines + reproduce_footer(cmd)), doc
+    return "\n".join(lines + reproduce_footer(doc["command"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         if on
     ]
     measured += [f"--set {kv}" for kv in args.set]
-    text, doc = _report(m, wall, reproduce_command("qat_bench.py", measured))
-    publish(text, doc, args.out)
+    doc = _doc(m, wall, reproduce_command("qat_bench.py", measured))
+    publish(render(doc), doc, args.out, "qat_bench.py")
     return 0
 
 

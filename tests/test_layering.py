@@ -11,6 +11,7 @@ by walking their packages at run time, not by name.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import slimline
@@ -136,3 +137,86 @@ def test_the_cycle_finder_finds_lazy_and_type_only_cycles(tmp_path: Path) -> Non
     graph = import_graph(pkg)
     assert graph["pkg.a"] == {"pkg", "pkg.b"} and graph["pkg.b"] == {"pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+README = ROOT.parent.parent / "README.md"
+TABLE_START = "The package imports in layers."
+
+
+def layer_table(readme: str) -> list[list[str]]:
+    """The rungs of the README's layer table, top first: each a list of names (``a/b``,
+    ``x/*``, ``__init__``), parenthesised notes dropped."""
+    lines = readme[readme.index(TABLE_START) :].splitlines()
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("    ")) :]
+    layers: list[str] = []
+    for line in block:
+        if not line.startswith("    "):
+            break
+        if line[4] != " ":
+            layers.append("")
+        layers[-1] += " " + line.strip()
+    rungs: list[list[str]] = []
+    for layer in layers:
+        text = re.sub(r"\([^)]*\)", " ", layer.split(maxsplit=1)[1])
+        rungs += [part.split() for part in text.split("->")]
+    return rungs
+
+
+def _place(module: str, rung_of: dict[str, int]) -> str | None:
+    """The table entry that places ``module``: its own name, else the nearest ``x/*``."""
+    path = (
+        "__init__" if module == "slimline" else module.removeprefix("slimline.").replace(".", "/")
+    )
+    if path in rung_of:
+        return path
+    parts = path.split("/")
+    for end in range(len(parts), 0, -1):
+        entry = "/".join(parts[:end]) + "/*"
+        if entry in rung_of:
+            return entry
+    return None
+
+
+def imports_against_the_table(
+    graph: dict[str, set[str]], rungs: list[list[str]]
+) -> tuple[list[str], list[str]]:
+    """(modules the table does not place, imports from the same rung or below)."""
+    rung_of = {name: i for i, rung in enumerate(rungs) for name in rung}
+    place = {m: _place(m, rung_of) for m in graph}
+    unplaced = sorted(m for m, entry in place.items() if entry is None)
+    against = []
+    for module, targets in sorted(graph.items()):
+        here = place[module]
+        for target in sorted(targets):
+            there = place[target]
+            if here is None or there is None or (here == there and here.endswith("/*")):
+                continue
+            if rung_of[there] >= rung_of[here]:
+                against.append(f"{module} ({here}) imports {target} ({there})")
+    return unplaced, against
+
+
+def test_the_imports_follow_the_readme_layer_table() -> None:
+    rungs = layer_table(README.read_text())
+    names = [name for rung in rungs for name in rung]
+    assert len(names) == len(set(names)), "a name is placed twice"
+    assert len(rungs) > 10 and "pipeline" in names, "the table was not found"
+    unplaced, against = imports_against_the_table(import_graph(), rungs)
+    assert unplaced == [], "place these modules in README.md's layer table"
+    assert against == []
+
+
+def test_the_table_check_finds_an_upward_import_and_an_unplaced_module() -> None:
+    readme = f"{TABLE_START}\n\n    low    a (notes)\n           -> b\n    high   c/*\n\nafter\n"
+    rungs = layer_table(readme)
+    assert rungs == [["a"], ["b"], ["c/*"]]
+    graph = {
+        "slimline.a": {"slimline.b"},
+        "slimline.b": {"slimline.a"},
+        "slimline.c.x": {"slimline.c.y", "slimline.a"},
+        "slimline.c.y": set(),
+        "slimline.d": set(),
+    }
+    unplaced, against = imports_against_the_table(graph, rungs)
+    assert unplaced == ["slimline.d"]
+    assert against == ["slimline.a (a) imports slimline.b (b)"]

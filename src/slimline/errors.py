@@ -1,10 +1,43 @@
 """One exception hierarchy for slimline.
 
-Every error derives from :class:`SlimlineError` and carries a one-line message that names the
-problem and the fix. The CLI prints that line; it never shows a traceback for these. ``assert``
-is kept for internal invariants only.
+Every error a user or a client can see derives from :class:`SlimlineError` and carries a
+one-line message that names the problem and the fix. The CLI prints that line; it never shows a
+traceback for these. ``assert`` is kept for internal invariants only. The whole tree::
 
-Two kinds, told apart by ``user_error``:
+    SlimlineError                 the user's input is at fault: exit status 2
+    ├── TaskError                 a task file or spec cannot be loaded
+    ├── RecipeError               unknown key, wrong type, impossible setting
+    ├── ModelFileError            a model file is missing, corrupt or not a model
+    ├── InputMismatchError        sample inputs do not match the model
+    ├── DataError                 calibration, evaluation or training data is unusable
+    ├── ManifestError             a file given as a manifest is not one
+    ├── HardwareMismatchError     the gate compares runs of unlike targets
+    ├── RuntimeMissingError       a named runtime is not installed
+    ├── MemoryBudgetError         no measured runtime setting fits the memory budget (edge/)
+    ├── CalibrationError          no cascade threshold meets the escalation rate (edge/)
+    ├── ServeError                the server cannot start with this model or settings
+    ├── LoadTestError             a load test cannot start, or its result is invalid
+    ├── StepError                 a step failed, not the input's fault: exit status 3
+    │   ├── ExportError           torch -> ONNX export failed or disagrees with PyTorch
+    │   └── CandidateError        a model slimline wrote cannot be loaded, evaluated or timed
+    └── RequestError              one served request gets no result; the server goes on
+        ├── ProtocolError         the request is malformed (a 4xx status it carries)
+        ├── ModelInputError       the runtime refused inputs that passed the metadata checks
+        ├── CloudError            the cascade's cloud tier answered with an error
+        └── BatcherError          the dynamic batcher gave no result
+            ├── QueueFull         503, retry later
+            ├── ShuttingDown      503, draining
+            ├── BatcherStopped    503, the collector died
+            ├── DeadlineExceeded  504
+            ├── InvalidRequest    400
+            └── InferenceFailed   500, or 400 when caused by a ModelInputError
+
+Every class is defined here, so this is the one place to read; the modules that raise them
+re-export the ones their callers import (``serve.batcher``, ``serve.protocol``, ``edge.memory``,
+...). ``tests/test_errors.py`` fails on an exception class defined anywhere else in the package,
+on a class here that nothing raises, and on a class missing from the tree above.
+
+Three kinds, told apart by ``user_error`` and the branch:
 
 * the user's input is at fault (a recipe, a task, samples, the user's model file): exit status 2,
   and the run stops before or as soon as the input is read;
@@ -12,7 +45,10 @@ Two kinds, told apart by ``user_error``:
   an exporter, a pruning library, the quantizer, ONNX Runtime refusing a written candidate).
   That is never blamed on the user: the candidate or step is rejected with its reason and the
   run goes on from the parent; only when nothing after it can run does the run stop, with the
-  manifest and report written, and exit status 3.
+  manifest and report written, and exit status 3;
+* a served request gets no result (:class:`RequestError`): the server answers that request
+  with an HTTP status and the message, counts it in its metrics, and goes on serving. These
+  never reach the CLI, so their exit status is moot.
 """
 
 from __future__ import annotations
@@ -20,18 +56,30 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "BudgetError",
+    "BatcherError",
+    "BatcherStopped",
+    "CalibrationError",
     "CandidateError",
+    "CloudError",
     "DataError",
+    "DeadlineExceeded",
     "ExportError",
     "HardwareMismatchError",
+    "InferenceFailed",
     "InputMismatchError",
+    "InvalidRequest",
     "LoadTestError",
     "ManifestError",
+    "MemoryBudgetError",
     "ModelFileError",
+    "ModelInputError",
+    "ProtocolError",
+    "QueueFull",
     "RecipeError",
+    "RequestError",
     "RuntimeMissingError",
     "ServeError",
+    "ShuttingDown",
     "SlimlineError",
     "StepError",
     "TaskError",
@@ -97,10 +145,6 @@ class CandidateError(StepError):
     rejected with the runtime's message, the node when known, and the config that produced it."""
 
 
-class BudgetError(SlimlineError):
-    """No candidate met the accuracy budget; the run ends cleanly and says why."""
-
-
 class RuntimeMissingError(SlimlineError):
     """The recipe or a command names a runtime whose package is not installed."""
 
@@ -111,6 +155,81 @@ class ServeError(SlimlineError):
 
 class LoadTestError(SlimlineError):
     """A load test cannot start or its result is invalid."""
+
+
+class MemoryBudgetError(SlimlineError):
+    """No measured setting keeps the peak RSS under the memory budget (the user's budget);
+    ``profile`` holds what was measured, when a whole profile was."""
+
+    def __init__(self, message: str, profile: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.profile = profile
+
+
+class CalibrationError(SlimlineError):
+    """No cascade threshold meets the requested escalation rate and metric loss together."""
+
+
+# -- serving: one request's outcome, never the process's ------------------------------------
+class RequestError(SlimlineError):
+    """A served request that gets no result. The server answers it with an HTTP status and
+    this message and goes on; the branch exists so that one ``except`` can tell a request's
+    outcome from a failure of the server itself."""
+
+
+class ProtocolError(RequestError):
+    """A request the server will not run; ``status`` is the HTTP status (always 4xx)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ModelInputError(RequestError, ValueError):
+    """The runtime refused inputs that passed metadata checks (e.g. unequal sequence lengths).
+    Also a ``ValueError``, as it was before it joined the tree."""
+
+
+class CloudError(RequestError):
+    """The cascade's cloud tier answered with an error; ``kind`` labels it in the metrics
+    (``rejected``, ``unavailable``, ``timeout``, ``error``), and the edge's answer is served."""
+
+    def __init__(self, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class BatcherError(RequestError):
+    """Base of the outcomes a request can meet in the batcher other than a result."""
+
+
+class QueueFull(BatcherError):
+    """The queue holds ``max_queue_size`` requests; retry later (HTTP 503)."""
+
+
+class ShuttingDown(BatcherError):
+    """The batcher is draining and takes no new requests (HTTP 503)."""
+
+
+class DeadlineExceeded(BatcherError):
+    """The request's deadline passed before its result was ready (HTTP 504); ``ran`` says
+    whether its batch had started."""
+
+    def __init__(self, message: str, *, ran: bool) -> None:
+        super().__init__(message)
+        self.ran = ran
+
+
+class BatcherStopped(BatcherError):
+    """The batch collector died; the model takes no requests until the server restarts."""
+
+
+class InvalidRequest(BatcherError):
+    """The request cannot be batched as sent (HTTP 400)."""
+
+
+class InferenceFailed(BatcherError):
+    """The model raised, or broke the one-result-per-input rule, on this request's batch."""
 
 
 def is_user_error(err: BaseException) -> bool:

@@ -9,16 +9,12 @@ and the best weights seen are the ones kept.
 
 from __future__ import annotations
 
-import copy
-import io
 import itertools
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -26,18 +22,21 @@ from pydantic import Field
 from ..errors import DataError, RecipeError
 from ..module_guard import eval_module
 from ..recipe import Config
-from ..record import atomic_write_bytes
 from ..task import Task
+from .features import FeatureTap, feature_loss, first_output
+from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DistillHooks",
+    "EarlyStopping",
     "FeatureTap",
     "FileCheckpoint",
     "FinetuneConfig",
     "FinetuneResult",
     "TrainCheckpoint",
+    "TrainingStep",
     "accumulate_gradients",
     "distill",
     "distill_loss",
@@ -101,40 +100,6 @@ class FinetuneConfig(Config):
         if data.get("dropout") is True:
             data.pop("dropout")
         return data
-
-
-class TrainCheckpoint(Protocol):
-    """Where :func:`distill` keeps its training state, so that a killed run resumes mid-way.
-
-    ``load`` returns what the last ``save`` stored (or ``None``); ``save`` must be atomic."""
-
-    def load(self) -> dict[str, Any] | None: ...
-
-    def save(self, state: dict[str, Any]) -> None: ...
-
-
-class FileCheckpoint:
-    """A :class:`TrainCheckpoint` in one file: ``torch.save`` written atomically, read back with
-    ``weights_only=True``; ``what`` names the training in the resume message."""
-
-    def __init__(self, path: Path, what: str) -> None:
-        self.path, self.what = path, what
-
-    def load(self) -> dict[str, Any] | None:
-        import torch
-
-        if not self.path.is_file():
-            return None
-        state: dict[str, Any] = torch.load(self.path, weights_only=True)
-        log.info("%s: continuing at step %d from %s", self.what, state["step"], self.path)
-        return state
-
-    def save(self, state: dict[str, Any]) -> None:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(self.path, buf.getvalue())
 
 
 class DistillHooks:
@@ -247,10 +212,6 @@ def trim_padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: (v[:, :length] if v.shape[:2] == mask.shape else v) for k, v in inputs.items()}
 
 
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def distill_loss(
     student_out: Any,
     teacher_out: Any,
@@ -305,74 +266,6 @@ def _soft_bce(student: Any, teacher: Any) -> Any:
     return F.binary_cross_entropy(s, t) - F.binary_cross_entropy(t, t)
 
 
-class FeatureTap:
-    """Forward hooks that collect, in call order, the outputs of the modules of ``model`` whose
-    names fully match ``pattern`` (the first element where a module returns a tuple)."""
-
-    def __init__(self, model: Any, pattern: str) -> None:
-        rx = re.compile(pattern)
-        names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
-        if not names:
-            raise RecipeError(
-                f"finetune.features {pattern!r} matches no module of {type(model).__name__}; "
-                "name modules by their dotted path, e.g. 'encoder\\.layer\\.\\d+'"
-            )
-        self._attach(model, names)
-
-    @classmethod
-    def of_names(cls, model: Any, names: list[str]) -> FeatureTap:
-        """A tap on the modules named ``names`` (each must exist)."""
-        tap = cls.__new__(cls)
-        tap._attach(model, names)
-        return tap
-
-    def _attach(self, model: Any, names: list[str]) -> None:
-        self.names = list(names)
-        self.outputs: list[Any] = []
-        mods = dict(model.named_modules())
-        self._handles = [mods[n].register_forward_hook(self._hook) for n in self.names]
-
-    def _hook(self, module: Any, args: Any, out: Any) -> None:
-        self.outputs.append(_first(out))
-
-    def take(self) -> list[Any]:
-        out, self.outputs = self.outputs, []
-        return out
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def feature_loss(
-    student_feats: list[Any], teacher_feats: list[Any], names: list[str], mask: Any | None
-) -> Any:
-    """Mean over modules of the relative squared error ``|s - t|^2 / |t|^2`` of their outputs,
-    over unpadded positions where the output is ``[N, L, ...]`` with an ``[N, L]`` mask. Relative,
-    so every layer weighs the same whatever the scale of its activations."""
-    if len(student_feats) != len(teacher_feats):
-        raise RecipeError(
-            f"finetune.features: the student ran {len(student_feats)} matching modules, the "
-            f"teacher {len(teacher_feats)}; name modules that both models run once per forward"
-        )
-    total = None
-    for name, s, t in zip(names, student_feats, teacher_feats, strict=True):
-        if s.shape != t.shape:
-            raise RecipeError(
-                f"finetune.features: module {name} outputs {tuple(s.shape)} in the student but "
-                f"{tuple(t.shape)} in the teacher; match only modules whose outputs pruning keeps "
-                "(e.g. whole encoder layers, not their pruned projections)"
-            )
-        d2, t2 = (s.float() - t.float().detach()) ** 2, t.float().detach() ** 2
-        if mask is not None and tuple(s.shape[:2]) == tuple(mask.shape):
-            w = mask.to(d2.dtype).reshape(*mask.shape, *([1] * (s.dim() - 2)))
-            d2, t2 = d2 * w, t2 * w
-        term = d2.sum() / t2.sum().clamp(min=1e-12)
-        total = term if total is None else total + term
-    assert total is not None
-    return total / len(names)
-
-
 def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
     """Cycle through ``batches()`` forever, skipping the first ``skip`` (held out)."""
     while True:
@@ -417,7 +310,9 @@ def _val_loss(
         for inputs, _ in val:
             x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
             total += float(
-                distill_loss(_first(student(**x)), _first(teacher(**x)), None, output_kind, cfg)
+                distill_loss(
+                    first_output(student(**x)), first_output(teacher(**x)), None, output_kind, cfg
+                )
             )
     student.train(was_training)
     return total / len(val)
@@ -447,9 +342,9 @@ def distill(
     With a ``checkpoint``, the whole training state (weights, optimizer, schedule, best weights,
     early-stop count, RNG, data position) is saved at every held-out evaluation, and a run that
     finds one continues from it instead of starting over. ``hooks`` (:class:`DistillHooks`)
-    let a technique change the student, its parameter groups and each step.
+    let a technique change the student, its parameter groups and each step. The parts, each
+    testable alone: :class:`TrainingStep`, :class:`EarlyStopping`, :func:`_training_state`.
     """
-    import torch
     from tqdm.auto import tqdm
 
     lr = resolve_lr(task, cfg)
@@ -461,33 +356,13 @@ def distill(
     result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
     if cfg.steps == 0:
         return result
-    groups = hooks.param_groups(student, [p for p in student.parameters() if p.requires_grad])
-    params = [p for g in groups for p in g["params"]]
-    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
-    )
-    best, best_state = before, copy.deepcopy(student.state_dict())
-    bad, running, start = 0, 0.0, 0
+    train = TrainingStep(student, teacher, cfg, lr, output_kind, task, hooks)
+    stop = EarlyStopping(student, before, cfg.min_delta, cfg.patience)
+    running, start = 0.0, 0
     saved = checkpoint.load() if checkpoint is not None else None
     if saved is not None:
-        student.load_state_dict(saved["student"])
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
-        torch.set_rng_state(saved["rng"])
-        best, best_state, bad, running = (
-            saved["best"],
-            saved["best_state"],
-            saved["bad"],
-            saved["running"],
-        )
-        start = int(saved["step"])
-        result.val_before, result.best_step = saved["val_before"], saved["best_step"]
-        result.steps, result.history, result.resumed_from_step = start, saved["history"], start
-        hooks.load_state(saved.get("hooks") or {})
-    task_loss = task.loss if task is not None else None
-    taps = hooks.feature_taps(student, teacher, cfg)
-    dropout = {} if cfg.dropout else _dropout_off(student)
+        start, running = _resume_training(saved, train, stop, result)
+    train.open()
     try:
         student.train()
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, disable=not cfg.progress, leave=False)
@@ -496,27 +371,10 @@ def distill(
         for step_i, (inputs, labels) in enumerate(stream, start=start + 1):
             if step_i > cfg.steps:
                 break
-            x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
-            if taps is not None:  # drop what held-out evaluations collected
-                taps[0].take(), taps[1].take()
-            with torch.no_grad():
-                t_out = _first(teacher(**x))
-            hooks.before_forward(step_i, student)
-            loss = distill_loss(_first(student(**x)), t_out, labels, output_kind, cfg, task_loss)
-            if taps is not None:
-                s_tap, t_tap = taps
-                loss = loss + cfg.feature_weight * feature_loss(
-                    s_tap.take(), t_tap.take(), s_tap.names, x.get("attention_mask")
-                )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
-            sched.step()
-            value = float(loss.detach())
+            value = train(step_i, inputs, labels)
             running = value if step_i == 1 else 0.9 * running + 0.1 * value
             bar.update(1)
-            bar.set_postfix(loss=f"{running:.4f}", best=f"{best:.4f}")
+            bar.set_postfix(loss=f"{running:.4f}", best=f"{stop.best:.4f}")
             if on_step is not None:
                 on_step(step_i, value)
             hooks.on_step(step_i, value)
@@ -524,49 +382,132 @@ def distill(
             if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
                 v = _val_loss(student, teacher, val, output_kind, cfg)
                 result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
-                if v < best * (1.0 - cfg.min_delta):
-                    best, best_state, bad, result.best_step = (
-                        v,
-                        copy.deepcopy(student.state_dict()),
-                        0,
-                        step_i,
-                    )
-                else:
-                    bad += 1
-                    if bad >= cfg.patience:
-                        result.stopped_early = step_i < cfg.steps
-                        break
+                halt = stop.update(step_i, v, student)
+                result.best_step = stop.step
+                if halt:
+                    result.stopped_early = step_i < cfg.steps
+                    break
                 if checkpoint is not None and step_i < cfg.steps:
-                    checkpoint.save(
-                        {
-                            "step": step_i,
-                            "student": student.state_dict(),
-                            "optimizer": opt.state_dict(),
-                            "scheduler": sched.state_dict(),
-                            "rng": torch.get_rng_state(),
-                            "best": best,
-                            "best_state": best_state,
-                            "best_step": result.best_step,
-                            "bad": bad,
-                            "running": running,
-                            "val_before": result.val_before,
-                            "history": result.history,
-                            "hooks": hooks.state(),
-                        }
-                    )
+                    checkpoint.save(_training_state(step_i, train, stop, running, result))
             if step_i >= cfg.steps:
                 break
         bar.close()
-        student.load_state_dict(best_state)
+        student.load_state_dict(stop.state)
         student.eval()
-        result.val_after = best
+        result.val_after = stop.best
         return result
     finally:
-        for mod, p in dropout.items():
+        train.close()
+
+
+class TrainingStep:
+    """One optimizer step of distillation: the teacher's outputs, the student's loss against
+    them (plus the task loss where labels exist, and the hidden-state loss where taps are set),
+    backward, gradient clipping, AdamW and the cosine schedule. :meth:`open` attaches the taps
+    and switches dropout off; :meth:`close` puts both back."""
+
+    def __init__(
+        self,
+        student: Any,
+        teacher: Any,
+        cfg: FinetuneConfig,
+        lr: float,
+        output_kind: str,
+        task: Task | None,
+        hooks: DistillHooks,
+    ) -> None:
+        import torch
+
+        self.student, self.teacher, self.cfg, self.hooks = student, teacher, cfg, hooks
+        self.output_kind, self.task_loss = output_kind, task.loss if task is not None else None
+        groups = hooks.param_groups(student, [p for p in student.parameters() if p.requires_grad])
+        self.params = [p for g in groups for p in g["params"]]
+        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
+        )
+        self.taps: tuple[FeatureTap, FeatureTap] | None = None
+        self.dropout: dict[Any, float] = {}
+
+    def open(self) -> None:
+        """Attach the hidden-state taps and switch dropout off (``cfg.dropout: false``), after
+        a resumed state is loaded; :meth:`close` undoes both."""
+        self.taps = self.hooks.feature_taps(self.student, self.teacher, self.cfg)
+        self.dropout = {} if self.cfg.dropout else _dropout_off(self.student)
+
+    def __call__(self, step: int, inputs: dict[str, np.ndarray], labels: Any) -> float:
+        """Train on one batch as step ``step`` (1-based); returns the batch's loss."""
+        import torch
+
+        cfg = self.cfg
+        x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
+        if self.taps is not None:  # drop what held-out evaluations collected
+            self.taps[0].take(), self.taps[1].take()
+        with torch.no_grad():
+            t_out = first_output(self.teacher(**x))
+        self.hooks.before_forward(step, self.student)
+        s_out = first_output(self.student(**x))
+        loss = distill_loss(s_out, t_out, labels, self.output_kind, cfg, self.task_loss)
+        if self.taps is not None:
+            s_tap, t_tap = self.taps
+            loss = loss + cfg.feature_weight * feature_loss(
+                s_tap.take(), t_tap.take(), s_tap.names, x.get("attention_mask")
+            )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        return float(loss.detach())
+
+    def close(self) -> None:
+        for mod, p in self.dropout.items():
             mod.p = p
-        if taps is not None:
-            for tap in taps:
+        if self.taps is not None:
+            for tap in self.taps:
                 tap.close()
+
+
+def _training_state(
+    step: int, train: TrainingStep, stop: EarlyStopping, running: float, result: FinetuneResult
+) -> dict[str, Any]:
+    """Everything a resumed run needs to continue after ``step`` as if never stopped."""
+    import torch
+
+    return {
+        "step": step,
+        "student": train.student.state_dict(),
+        "optimizer": train.opt.state_dict(),
+        "scheduler": train.sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "best": stop.best,
+        "best_state": stop.state,
+        "best_step": stop.step,
+        "bad": stop.bad,
+        "running": running,
+        "val_before": result.val_before,
+        "history": result.history,
+        "hooks": train.hooks.state(),
+    }
+
+
+def _resume_training(
+    saved: dict[str, Any], train: TrainingStep, stop: EarlyStopping, result: FinetuneResult
+) -> tuple[int, float]:
+    """Load a :func:`_training_state` into the run; returns (its step, its running loss)."""
+    import torch
+
+    train.student.load_state_dict(saved["student"])
+    train.opt.load_state_dict(saved["optimizer"])
+    train.sched.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    stop.best, stop.state, stop.bad = saved["best"], saved["best_state"], saved["bad"]
+    stop.step = saved["best_step"]
+    start = int(saved["step"])
+    result.val_before, result.best_step = saved["val_before"], saved["best_step"]
+    result.steps, result.history, result.resumed_from_step = start, saved["history"], start
+    train.hooks.load_state(saved.get("hooks") or {})
+    return start, float(saved["running"])
 
 
 def _dropout_off(model: Any) -> dict[Any, float]:
@@ -622,8 +563,8 @@ def accumulate_gradients(
     for inputs, labels in batches():
         x = to_tensors(trim_padding(inputs))
         with torch.no_grad():
-            t_out = _first(teacher(**x))
-        loss = _gradient_loss(_first(model(**x)), t_out, labels, output_kind, task)
+            t_out = first_output(teacher(**x))
+        loss = _gradient_loss(first_output(model(**x)), t_out, labels, output_kind, task)
         if loss is None:
             break
         loss.backward()

@@ -17,15 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SlimlineError
+from ..errors import CalibrationError, SlimlineError
 
 __all__ = ["CalibrationError", "calibrate", "curve", "pick", "plot_curve"]
 
 Point = dict[str, float]
-
-
-class CalibrationError(SlimlineError):
-    """No threshold meets the requested escalation rate and metric loss together."""
 
 
 def _mix(edge: np.ndarray, cloud: np.ndarray, escalate: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SlimlineError
+from ..errors import MemoryBudgetError, SlimlineError
 from .setting import MemorySetting, session_path
 
 __all__ = [
@@ -39,14 +39,6 @@ __all__ = [
 
 Inputs = dict[str, np.ndarray]
 Row = dict[str, Any]
-
-
-class MemoryBudgetError(SlimlineError):
-    """No measured setting keeps the peak RSS under the memory budget (the user's budget)."""
-
-    def __init__(self, message: str, profile: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.profile = profile
 
 
 def settings_grid(threads: int, varying_shapes: bool) -> list[MemorySetting]:

@@ -5,9 +5,8 @@ The network: a stride-2 3x3 stem, inverted residual blocks (1x1 expansion x6, 3x
 1x1 linear projection, residual adds where the shape is kept) at 14x14 (32 channels), 7x7 (64)
 and 4x4 (128), a 1x1 head to 512 channels, global average pooling and a linear classifier. The
 depthwise and projection layers carry no BatchNorm and no weight decay is used, so their
-activation ranges are wide and uneven across channels. Measured here: full static INT8
-(U8S8 per-channel, MinMax ranges) of this model still stays within a 0.99 cosine / 0.003 top-1
-budget (fake-quant cosine 0.9999 to FP32, top-1 0.975 vs 0.976): it is the built-in example
+activation ranges are wide and uneven across channels. Measured (``bench/RESULTS-qat.md``): full
+static INT8 of this model still stays within its recipe's budget, so it is the built-in example
 of the ``qat`` step (recipe ``mnist-dw-qat``), not a case where post-training quantization fails.
 The example on which it fails is :mod:`.mnist_rep` (recipe ``mnist-rep-qat``).
 

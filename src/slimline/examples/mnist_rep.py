@@ -17,30 +17,10 @@ then re-quantizes its activations several times (convolution output, hard-swish,
 block's Mul and Add, the gate's Mul), and the noise of each step accumulates over the blocks
 (RepVGG-style networks are known to lose much more under INT8 PTQ than their plain
 counterparts: "Make RepVGG Greater Again: A Quantization-aware Approach", Chu et al., 2022).
-Depth decides how far the noise grows. Measured here (x86-amx-int8; ONNX Runtime static QDQ,
-U8 per-tensor activations at every op, S8 per-channel weights, MinMax ranges from 512 training
-digits; mean cosine of the logits to FP32 on the 1,000 held-out digits):
-
-=====================================================  ============  ==================
-network (3 epochs)                                     FP32 top-1    full INT8 PTQ
-=====================================================  ============  ==================
-``mnist-dw`` (MobileNetV2-style, BatchNorm, ReLU)      0.976         0.974, cosine 0.9999
-same blocks as here, not re-parameterized, 13 blocks   0.966         0.968, cosine 0.9985
-re-parameterized, 7 blocks                             0.957         0.955, cosine 0.9972
-re-parameterized, 13 blocks                            0.956         0.946, cosine 0.9901
-re-parameterized, 16 blocks (this example)             0.926         0.811, cosine 0.794
-=====================================================  ============  ==================
-
-With 7-bit weights (``reduce_range``, what ``quantize`` uses on x86 without VNNI) this example
-falls further (0.802, cosine 0.780); with Q/DQ around the compute ops only (``quantize_ops:
-compute``) less far (0.854, cosine 0.865), still far outside the recipe's budget (top-1 drop
-0.003, cosine 0.99). The FP32 accuracy is lower than ``mnist-dw``'s: a 16-block network trained
-for 3 epochs on 4,000 digits. The size of the loss depends on the trained weights; trained from
-seeds 1 and 2 instead of 0, the same network reaches FP32 0.901 / 0.902, and full INT8 PTQ
-0.886 / 0.632 (cosine 0.934 / 0.625; 7-bit weights: cosine 0.928 / 0.611): outside the budget
-each time. In the recipe (``bench/RESULTS-qat-rep.md``) mixed precision
-with 28 of 57 compute ops in float still reaches only 0.822 (cosine 0.806); QAT reaches 0.930
-(cosine 0.953) with every op in INT8.
+Depth decides how far the noise grows. The measurements (full INT8 PTQ against depth and
+re-parameterization, 7-bit weights, compute-only Q/DQ, other training seeds) and what mixed
+precision and QAT win back are in ``bench/RESULTS-qat-rep.md``; no figure is kept here, so none
+goes stale.
 
 The trained weights ship with slimline (``weights/mnist-rep.safetensors``, safetensors: no
 pickle), because the example's premise depends on them and training numerics differ by CPU kind:

@@ -29,7 +29,6 @@ __all__ = [
     "LoadTestConfig",
     "check_request",
     "check_server",
-    "preflight",
     "run_loadtest",
     "sample_payloads",
 ]
@@ -115,13 +114,6 @@ def check_request(
             f"a test request to model {model!r} failed with HTTP {answer.status_code}: "
             f"{_message(answer)}; check --inputs and --encoding"
         )
-
-
-def preflight(url: str, model: str, payload: Payload, token: str | None = None) -> dict[str, Any]:
-    """Check the server is reachable, serves ``model`` and answers one real request."""
-    meta = check_server(url, model, token)
-    check_request(url, model, payload, meta, token)
-    return meta
 
 
 def _check_auth(resp: httpx.Response, url: str) -> None:

@@ -27,7 +27,6 @@ from .rowwise import RowwiseRunner
 __all__ = [
     "OV_EXTRA",
     "OvRunner",
-    "openvino_available",
     "ov_compile",
     "ov_message",
     "ov_settings",
@@ -48,14 +47,6 @@ def require_openvino() -> Any:
             f"installed: {OV_EXTRA} (or choose runtime: onnxruntime)"
         ) from None
     return openvino
-
-
-def openvino_available() -> bool:
-    try:
-        require_openvino()
-    except RuntimeMissingError:
-        return False
-    return True
 
 
 def ov_version() -> str:

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
+from ..errors import RequestError
 from ..recipe import Config
 from .batcher import (
     BatcherConfig,
@@ -496,6 +497,9 @@ async def _answer(state: ServerState, model: ServedModel, call: _Call) -> tuple[
             return _error(f"model {model.name!r} rejected the inputs: {err.__cause__}", 400), (
                 "bad_request"
             )
+        log.error("%s", err)
+        return _error(str(err), 500), "error"
+    except RequestError as err:  # a request's outcome with no status of its own above
         log.error("%s", err)
         return _error(str(err), 500), "error"
     except Exception:

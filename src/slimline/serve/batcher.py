@@ -32,6 +32,15 @@ from typing import Protocol
 import numpy as np
 from pydantic import Field
 
+from ..errors import (
+    BatcherError,
+    BatcherStopped,
+    DeadlineExceeded,
+    InferenceFailed,
+    InvalidRequest,
+    QueueFull,
+    ShuttingDown,
+)
 from ..recipe import Config
 
 __all__ = [
@@ -49,38 +58,6 @@ __all__ = [
 
 Tensors = dict[str, np.ndarray]
 log = logging.getLogger(__name__)
-
-
-class BatcherError(Exception):
-    """Base of the outcomes a request can meet in the batcher other than a result."""
-
-
-class QueueFull(BatcherError):
-    """The queue holds ``max_queue_size`` requests; retry later (HTTP 503)."""
-
-
-class ShuttingDown(BatcherError):
-    """The batcher is draining and takes no new requests (HTTP 503)."""
-
-
-class DeadlineExceeded(BatcherError):
-    """The request's deadline passed before its result was ready (HTTP 504)."""
-
-    def __init__(self, message: str, *, ran: bool) -> None:
-        super().__init__(message)
-        self.ran = ran
-
-
-class BatcherStopped(BatcherError):
-    """The batch collector died; the model takes no requests until the server restarts."""
-
-
-class InvalidRequest(BatcherError):
-    """The request cannot be batched as sent (HTTP 400)."""
-
-
-class InferenceFailed(BatcherError):
-    """The model raised, or broke the one-result-per-input rule, on this request's batch."""
 
 
 class BatcherConfig(Config):

@@ -39,7 +39,7 @@ from pydantic import Field
 
 from ..config import Config
 from ..edge.scores import ScoreFn, resolve_score
-from ..errors import ServeError
+from ..errors import CloudError, ServeError
 from .batcher import BatcherConfig, BatcherError, DynamicBatcher, QueueFull
 from .metrics import LATENCY_BUCKETS
 from .model import InferenceBackend, ServedModel, TensorSpec
@@ -127,14 +127,6 @@ def _mismatch_error(why: str) -> ServeError:
 
 
 # -- the cloud tier -------------------------------------------------------------------------
-class CloudError(Exception):
-    """The cloud tier answered with an error (its status and message)."""
-
-    def __init__(self, message: str, kind: str = "error") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 class CloudTier(Protocol):
     label: str
 

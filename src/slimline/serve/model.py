@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..edge.setting import MemorySetting, session_path
-from ..errors import ManifestError, ModelFileError, ServeError
+from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
 from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
 
@@ -55,10 +55,6 @@ class TensorSpec:
     def batch_dim(self) -> int | None:
         """The leading dimension: ``None`` when free (batchable), else its fixed size."""
         return self.shape[0] if self.shape else None
-
-
-class ModelInputError(ValueError):
-    """The runtime refused inputs that passed metadata checks (e.g. unequal sequence lengths)."""
 
 
 class InferenceBackend(Protocol):

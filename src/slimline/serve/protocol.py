@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from ..errors import ProtocolError
 from .model import ServedModel, TensorSpec
 
 __all__ = [
@@ -58,14 +59,6 @@ _DTYPES = {name: np.dtype(name) for name in NP_TO_V2}
 _WIRE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in NP_TO_V2}
 _WIRE_OF_DTYPE = {_DTYPES[name]: wire for name, wire in _WIRE_DTYPES.items()}
 _V2_OF_DTYPE = {_DTYPES[name]: v2 for name, v2 in NP_TO_V2.items()}
-
-
-class ProtocolError(Exception):
-    """A request the server will not run; ``status`` is the HTTP status (always 4xx)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from torch import nn
 
 from slimline.compress.finetune import (
     DistillHooks,
+    EarlyStopping,
     FinetuneConfig,
+    TrainingStep,
     accumulate_gradients,
     distill,
     distill_loss,
@@ -374,3 +376,62 @@ def test_bce_distillation_of_probabilities_is_zero_at_the_teacher_and_checks_the
     assert 0.0 < near < far
     with pytest.raises(RecipeError, match="probabilities"):
         distill_loss(torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 0.5]]), None, "other", cfg)
+
+
+def test_one_training_step_lowers_the_batchs_distillation_loss() -> None:
+    teacher, student = _pair()
+    cfg = FinetuneConfig(steps=10, progress=False)
+    train = TrainingStep(student, teacher, cfg, 1e-2, "logits", None, DistillHooks())
+    inputs, _ = next(iter(_batches()()))
+    first = train(1, inputs, None)
+    for i in range(2, 6):
+        last = train(i, inputs, None)
+    assert last < first and train.sched.last_epoch == 5
+
+
+def test_a_training_step_puts_dropout_back_when_closed() -> None:
+    teacher, _ = _pair()
+    student = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+    train = TrainingStep(student, teacher, FinetuneConfig(dropout=False), 1e-3, "logits", None,
+                         DistillHooks())  # fmt: skip
+    train.open()
+    assert student[1].p == 0.0
+    train.close()
+    assert student[1].p == 0.3
+
+
+def test_early_stopping_keeps_the_best_weights_and_stops_after_patience() -> None:
+    net = nn.Linear(2, 1)
+    stop = EarlyStopping(net, 1.0, min_delta=0.1, patience=2)
+    with torch.no_grad():
+        net.weight.fill_(7.0)
+    assert not stop.update(1, 0.5, net)  # improved: these weights are now the best
+    with torch.no_grad():
+        net.weight.fill_(-1.0)
+    assert not stop.update(2, 0.46, net)  # within min_delta of 0.5: not an improvement
+    assert stop.update(3, 0.6, net)  # the second evaluation without one: stop
+    assert stop.best == 0.5 and stop.step == 1 and float(stop.state["weight"][0, 0]) == 7.0
+
+
+def test_a_checkpointed_run_continues_exactly_where_it_stopped() -> None:
+    """The training state saved at an evaluation, loaded into a fresh run, gives the same
+    weights as the run that never stopped."""
+    saved: dict[str, Any] = {}
+
+    class Keep:
+        def load(self) -> dict[str, Any] | None:
+            return copy.deepcopy(saved.get("state"))
+
+        def save(self, state: dict[str, Any]) -> None:
+            if state["step"] == 4:
+                saved["state"] = copy.deepcopy(state)
+
+    cfg = FinetuneConfig(steps=8, eval_every=2, patience=100, progress=False)
+    teacher, student = _pair()
+    torch.manual_seed(1)
+    distill(student, teacher, _batches(), cfg, output_kind="logits", checkpoint=Keep())
+    _, resumed = _pair()
+    result = distill(resumed, teacher, _batches(), cfg, output_kind="logits", checkpoint=Keep())
+    assert result.resumed_from_step == 4 and result.steps == 8
+    for a, b in zip(student.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)

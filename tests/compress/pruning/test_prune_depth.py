@@ -10,6 +10,7 @@ from torch import nn
 
 from slimline.candidate import Candidate
 from slimline.compress.finetune import FinetuneConfig, distill, feature_loss
+from slimline.compress.pruning import layers as depth_stage
 from slimline.compress.pruning import step as prune_mod
 from slimline.compress.pruning.depth import (
     LayerMapHooks,
@@ -168,8 +169,8 @@ def test_an_impossible_plan_is_an_error_before_any_work(
     def no_work(*a: Any, **kw: Any) -> Any:
         raise AssertionError("work started before the plan was checked")
 
-    monkeypatch.setattr(prune_mod, "layer_sensitivity", no_work)
-    monkeypatch.setattr(prune_mod, "distill", no_work)
+    monkeypatch.setattr(depth_stage, "layer_sensitivity", no_work)
+    monkeypatch.setattr(depth_stage, "distill", no_work)
     monkeypatch.setattr(prune_mod, "resolve_data", no_work)
     with pytest.raises(RecipeError, match=match):
         prune_step(_cfg(layers), _fp32(bert), make_context(bert, tmp_path))
@@ -321,7 +322,7 @@ def test_depth_and_width_in_one_step(bert: Task, tmp_path: Path) -> None:
 def test_a_run_killed_while_recovering_the_layers_continues_inside_the_recovery(
     bert: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = prune_mod.distill
+    real = depth_stage.distill
 
     class Dies:
         def __init__(self, inner: Any) -> None:
@@ -338,15 +339,15 @@ def test_a_run_killed_while_recovering_the_layers_continues_inside_the_recovery(
         kw["checkpoint"] = Dies(kw["checkpoint"])
         return real(*a, **kw)
 
-    monkeypatch.setattr(prune_mod, "distill", dies)
+    monkeypatch.setattr(depth_stage, "distill", dies)
     cfg = _cfg({"drop": 1})
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(bert), make_context(bert, tmp_path / "a"))
     swept: list[int] = []
-    real_sweep = prune_mod.layer_sensitivity
-    monkeypatch.setattr(prune_mod, "distill", real)
+    real_sweep = depth_stage.layer_sensitivity
+    monkeypatch.setattr(depth_stage, "distill", real)
     monkeypatch.setattr(
-        prune_mod, "layer_sensitivity", lambda *a, **kw: swept.append(1) or real_sweep(*a, **kw)
+        depth_stage, "layer_sensitivity", lambda *a, **kw: swept.append(1) or real_sweep(*a, **kw)
     )
     cand = prune_step(cfg, _fp32(bert), make_context(bert, tmp_path / "b"))
     recovery = cand.meta["layers"]["recovery"]["finetune"]

@@ -9,6 +9,8 @@ import pytest
 
 from slimline.cache import StepCache
 from slimline.candidate import Candidate
+from slimline.compress.pruning import planning
+from slimline.compress.pruning import rounds as prune_rounds
 from slimline.compress.pruning import step as prune_mod
 from slimline.compress.pruning.step import PruneConfig, prune_step, restore_pruned
 from slimline.errors import DataError, RecipeError, StepError
@@ -116,7 +118,7 @@ def test_a_killed_run_resumes_from_the_last_finished_round(
     digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    real = prune_mod.distill
+    real = prune_rounds.distill
 
     def dies_in_round_2(*a: Any, **kw: Any) -> Any:
         calls.append(kw["desc"])
@@ -124,13 +126,13 @@ def test_a_killed_run_resumes_from_the_last_finished_round(
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(prune_mod, "distill", dies_in_round_2)
+    monkeypatch.setattr(prune_rounds, "distill", dies_in_round_2)
     cfg = _cfg(rounds=3, target=0.4)
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
     calls.clear()
     monkeypatch.setattr(
-        prune_mod, "distill", lambda *a, **kw: calls.append(kw["desc"]) or real(*a, **kw)
+        prune_rounds, "distill", lambda *a, **kw: calls.append(kw["desc"]) or real(*a, **kw)
     )
     cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
     assert cand.meta["resumed_after_round"] == 1
@@ -145,7 +147,7 @@ def test_a_run_killed_while_recovering_continues_inside_the_round(
     """Killed after round 2 pruned and saved its first recovery checkpoint: the next run takes
     round 2's shape from the checkpoint, continues its recovery at step 15 of 30 (round 2 is
     neither pruned again nor restarted) and finishes round 3."""
-    real = prune_mod.distill
+    real = prune_rounds.distill
 
     class Dies:
         def __init__(self, inner: Any) -> None:
@@ -163,7 +165,7 @@ def test_a_run_killed_while_recovering_continues_inside_the_round(
             kw["checkpoint"] = Dies(kw["checkpoint"])
         return real(*a, **kw)
 
-    monkeypatch.setattr(prune_mod, "distill", dies_recovering_round_2)
+    monkeypatch.setattr(prune_rounds, "distill", dies_recovering_round_2)
     cfg = _cfg(rounds=3, target=0.4)
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
@@ -174,7 +176,7 @@ def test_a_run_killed_while_recovering_continues_inside_the_round(
         pruned_again.append(name)
         return real_prune_to(self, name, keep, importance)
 
-    monkeypatch.setattr(prune_mod, "distill", real)
+    monkeypatch.setattr(prune_rounds, "distill", real)
     monkeypatch.setattr(prune_mod.PruneGraph, "prune_to", prune_to)
     cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
     rounds = cand.meta["rounds"]
@@ -240,7 +242,7 @@ def test_another_target_reuses_the_sensitivity_map(
     def no_sweep(*a: Any, **kw: Any) -> Any:
         raise AssertionError("the sensitivity sweep ran again")
 
-    monkeypatch.setattr(prune_mod, "run_sweep", no_sweep)
+    monkeypatch.setattr(planning, "run_sweep", no_sweep)
     again = prune_step(
         _cfg(rounds=1, target=0.4, finetune=quick),
         _fp32(digits),

@@ -1,5 +1,6 @@
 """Structured pruning: dependency-aware channel and head removal, guided by a sensitivity map,
-recovered by distillation. The ``prune`` step lives in :mod:`slimline.compress.pruning.step`."""
+recovered by distillation. The ``prune`` step lives in :mod:`slimline.compress.pruning.step`, its
+configuration in :mod:`.config`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ...recipe import StepConfig
 
@@ -82,6 +82,48 @@ class QuantizeConfig(StepConfig):
         description="also build NNCF's PTQ model (slimline[openvino]) from the same float graph "
         "and calibration data; it competes with the chosen QDQ candidate on the same budget",
     )
+
+    @model_validator(mode="after")
+    def _no_setting_the_mode_ignores(self) -> QuantizeConfig:
+        """A field set away from its default where the chosen mode never reads it is an error
+        (a default value is harmless: a printed recipe lists every field)."""
+        for name, why in self._ignored():
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].default:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ValueError(f"`{name}: {shown}` {why}")
+        return self
+
+    def _ignored(self) -> list[tuple[str, str]]:
+        """(field, why it is ignored and what to do) for the fields this config never reads."""
+        static = "; drop it, or set mode: static to choose it"
+        by_mode = {
+            "auto": [
+                ("calibration", "is ignored by mode auto, which tries minmax and percentile" + static),
+                ("per_channel", "is ignored by mode auto, which quantizes weights per channel" + static),
+            ],
+            "static": [
+                ("quantize_embeddings", "is ignored by mode static: only dynamic quantization "
+                 "stores embedding tables in INT8; drop it, or set mode: dynamic"),
+            ],
+            "dynamic": [
+                (name, "is ignored by mode dynamic, which quantizes activations at run time from "
+                 "their own range" + static)
+                for name in ("calibration", "percentile", "activation_type",
+                             "activation_symmetric", "quantize_ops")
+            ],
+        }[self.mode]  # fmt: skip
+        if self.mode == "static" and self.calibration != "percentile":
+            by_mode.append(
+                ("percentile", f"is ignored with calibration: {self.calibration}; set "
+                 "calibration: percentile, or drop percentile")
+            )  # fmt: skip
+        if not self.mixed_precision:
+            by_mode.append(
+                ("impact_nodes", "is ignored with mixed_precision: false; drop it, or turn "
+                 "mixed precision on")
+            )  # fmt: skip
+        return by_mode
 
     @field_validator("precision")
     @classmethod

@@ -13,7 +13,7 @@ from .config import QuantSpec
 from .float_inputs import float_inputs_file
 from .prepare import COMPUTE_OPS, QDQ_MIN_OPSET, default_opset, quiet
 
-__all__ = ["DYNAMIC_OP_TYPES", "EMBEDDING_OP_TYPES", "quantize_model"]
+__all__ = ["DYNAMIC_OP_TYPES", "EMBEDDING_OP_TYPES", "ort_quantize_static", "quantize_model"]
 
 # ConvInteger is slower than float Conv on x86; dynamic quantization is for MatMul-heavy graphs.
 DYNAMIC_OP_TYPES = ["MatMul", "Attention"]
@@ -46,7 +46,7 @@ def quantize_model(
         out = Path(tmp) / "q.onnx"
         try:
             if spec.mode == "static":
-                _static(src, out, spec, float_nodes, caches or {})
+                ort_quantize_static(src, out, spec, float_nodes, caches or {})
                 float_inputs_file(out)  # float nodes stay float under ONNX Runtime
             else:
                 _dynamic(src, out, spec, float_nodes)
@@ -68,9 +68,12 @@ def _extra(spec: QuantSpec) -> dict[str, object]:
     }
 
 
-def _static(
+def ort_quantize_static(
     src: Path, out: Path, spec: QuantSpec, float_nodes: list[str], caches: dict[str, Path]
 ) -> None:
+    """ONNX Runtime's static QDQ quantizer alone, with ``spec``'s settings and the ranges in
+    ``caches``: no float-input rewrite, no atomic write, its errors unwrapped. Use
+    :func:`quantize_model`; this is the quantizer's own output, for diagnosis."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
     opset = default_opset(onnx.load(str(src), load_external_data=False))
