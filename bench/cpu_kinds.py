@@ -1,8 +1,8 @@
 """What each CPU kind does to INT8: the formats slimline's quantize step tries on this machine,
 and the fidelity of full static INT8 PTQ in each x86 format, measured on this machine's own
-kernels. Run it natively and under the emulated AVX2 lane; each run writes its kind's section of
-``bench/RESULTS-cpu-kinds.md`` (rendered from ``RESULTS-cpu-kinds.json``, which keeps every kind)
-and leaves the other kinds' sections as they are.
+kernels. Run it natively and under the emulated AVX2 lane; each run adds its kind's entry to
+``bench/RESULTS-cpu-kinds.json`` (keeping the other kinds') and renders the generated section of
+``bench/RESULTS-cpu-kinds.md`` from it, one part per kind.
 
     .venv/bin/python bench/cpu_kinds.py --out bench/RESULTS-cpu-kinds.md
     # the same under an AVX2-only CPUID (emulated: quality counts, timing would not)
@@ -26,13 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_out import put_section, reproduce_command, reproduce_footer
+from bench_out import publish, reproduce_command, reproduce_footer
 from slimline import api
 from slimline.compress.quant.auto import cpu_formats
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.cpu import detect
 from slimline.recipe import recipe_from_dict
-from slimline.record import atomic_write_text
 from slimline.task import load_task
 
 FORMATS: dict[str, dict[str, Any]] = {
@@ -95,10 +94,15 @@ def measure_example(name: str, work: Path) -> dict[str, Any]:
     return out
 
 
-def render(entry: dict[str, Any]) -> str:
-    """One kind's section: its CPU, the formats slimline tries there, the fidelity table."""
+def render(doc: dict[str, Any]) -> str:
+    """The generated section: one part per CPU kind measured, in the order of the kinds' names."""
+    return "\n\n".join(render_kind(doc[kind]) for kind in sorted(doc))
+
+
+def render_kind(entry: dict[str, Any]) -> str:
+    """One kind's part: its CPU, the formats slimline tries there, the fidelity table."""
     lines = [
-        f"## {entry['kind']}" + (" (emulated: quality only)" if entry["emulated"] else ""),
+        f"### {entry['kind']}" + (" (emulated: quality only)" if entry["emulated"] else ""),
         "",
         f"CPU as the kernels see it: {entry['cpu']}.",
         f"Static formats the quantize step tries first here: {'; '.join(entry['tried'])}.",
@@ -117,7 +121,7 @@ def render(entry: dict[str, Any]) -> str:
                 f"{'yes' if f['within_budget'] else 'no'} |"
             )
     lines += reproduce_footer(entry["command"])
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,25 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.examples:
             entry["examples"][name] = measure_example(name, Path(tmp))
-    section = render(entry)
-    print(section)
-    if args.out is not None:
-        data_path = args.out.with_suffix(".json")
-        doc = json.loads(data_path.read_text()) if data_path.is_file() else {}
-        doc[cpu.kind] = entry
-        atomic_write_text(data_path, json.dumps(doc, indent=1, sort_keys=True))
-        text = args.out.read_text() if args.out.is_file() else HEADER
-        atomic_write_text(args.out, put_section(text, f"kind:{cpu.kind}", section))
+    doc: dict[str, Any] = {}
+    if args.out is not None and args.out.with_suffix(".json").is_file():
+        doc = json.loads(args.out.with_suffix(".json").read_text())
+    doc[cpu.kind] = entry
+    publish(render(doc), doc, args.out, "cpu_kinds.py")
     return 0
 
-
-HEADER = """# INT8 per CPU kind
-
-Written by `bench/cpu_kinds.py`, one section per CPU kind, each from the run on that kind
-(`RESULTS-cpu-kinds.json` keeps every kind's figures). Sections marked emulated ran under
-`qemu-x86_64 -cpu Haswell-noTSX` on another machine: the kernels take their AVX2 paths, so the
-quality figures and the format choice are that kind's, and no timing is given.
-"""
 
 if __name__ == "__main__":
     raise SystemExit(main())
