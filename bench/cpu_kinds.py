@@ -117,7 +117,7 @@ def render_kind(entry: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"| {name} | {ex['metric_name']} {ex['fp32_metric']:.3f} | {label} | "
-                f"{f['metric']:.3f} ({f['metric_drop']:+.3f}) | {f['cosine_mean']:.4f} | "
+                f"{f['metric']:.3f} ({0.0 - f['metric_drop']:+.3f}) | {f['cosine_mean']:.4f} | "
                 f"{'yes' if f['within_budget'] else 'no'} |"
             )
     lines += reproduce_footer(entry["command"])
