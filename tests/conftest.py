@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ def tiny_task_file() -> Path:
 
 
 @pytest.fixture
-def tiny_recipe(tiny_task_file: Path) -> dict:
+def tiny_recipe(tiny_task_file: Path) -> dict[str, Any]:
     """A fast recipe on the tiny task: 200 timed runs, small batches, no RSS subprocess."""
     return {
         "name": "tiny",

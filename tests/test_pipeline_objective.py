@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from slimline import pipeline
+from slimline.measure.latency import benchmark
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
@@ -69,7 +70,7 @@ def metric(outputs, labels):
 """
 
 
-def _manifest(out: Path) -> dict[str, Any]:
+def _manifest(out: Path) -> Any:
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -86,7 +87,7 @@ def _scaled(value: Any, factor: float) -> Any:
 def _later_ones_slower(real: Callable[..., Any], factor: float = 3.0) -> Callable[..., Any]:
     """The real benchmark, with every candidate after the first (the parent) ``factor`` x slower."""
 
-    def bench(cands: list[Any], *args: Any, **kw: Any) -> dict[str, dict[str, Any]]:
+    def bench(cands: list[Any], *args: Any, **kw: Any) -> Any:
         figures = real(cands, *args, **kw)
         for c in cands[1:]:
             for key in ("latency_ms", "cpu_ms"):
@@ -97,7 +98,7 @@ def _later_ones_slower(real: Callable[..., Any], factor: float = 3.0) -> Callabl
     return bench
 
 
-def _size_recipe(tiny_recipe: dict, objective: str, folder: Path) -> dict:
+def _size_recipe(tiny_recipe: dict[str, Any], objective: str, folder: Path) -> dict[str, Any]:
     task = folder / "mlp_task.py"
     task.write_text(MLP_TASK)
     tiny_recipe["task"] = str(task)
@@ -112,9 +113,9 @@ def _size_recipe(tiny_recipe: dict, objective: str, folder: Path) -> dict:
 
 
 def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(pipeline.benchmark))
+    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "size", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     by_name = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}
@@ -129,9 +130,9 @@ def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
 
 
 def test_latency_objective_drops_the_same_slower_step(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(pipeline.benchmark))
+    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "latency", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     quant = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}["quantize"]
@@ -139,14 +140,14 @@ def test_latency_objective_drops_the_same_slower_step(
 
 
 def test_remeasure_judges_and_measures_again_but_reuses_the_steps(
-    tiny_recipe: dict,
+    tiny_recipe: dict[str, Any],
     tmp_path: Path,
     cache: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls: list[list[str]] = []
-    real = pipeline.benchmark
+    real = benchmark
 
     def counted(cands: list[Any], *args: Any, **kw: Any) -> dict[str, dict[str, Any]]:
         calls.append([c.name for c in cands])
