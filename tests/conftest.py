@@ -4,10 +4,11 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fixtures.cpu_kinds import CPU_KINDS
+from fixtures.int8_kinds import CPU_KINDS
 from slimline import cpu as cpu_module
 from slimline.cpu import CpuInt8
 
@@ -38,7 +39,7 @@ def tiny_task_file() -> Path:
 
 
 @pytest.fixture
-def tiny_recipe(tiny_task_file: Path) -> dict:
+def tiny_recipe(tiny_task_file: Path) -> dict[str, Any]:
     """A fast recipe on the tiny task: 200 timed runs, small batches, no RSS subprocess."""
     return {
         "name": "tiny",

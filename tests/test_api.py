@@ -23,7 +23,7 @@ def tiny(tiny_task_file: Path) -> Task:
     return load_task(str(tiny_task_file))
 
 
-def _recipe(tiny_recipe: dict, **changes: Any) -> Any:
+def _recipe(tiny_recipe: dict[str, Any], **changes: Any) -> Any:
     return recipe_from_dict({**tiny_recipe, **changes})
 
 
@@ -33,7 +33,7 @@ def _ops(path: Path | None) -> set[str]:
 
 
 def test_context_for_a_task_exports_its_baseline_with_the_recipes_settings(
-    tiny: Task, tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny: Task, tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     recipe = _recipe(tiny_recipe, steps=[{"export": {"opset": 18}}])
     ctx = api.context_for(tiny, recipe, tmp_path / "work", cache=cache)
@@ -50,7 +50,7 @@ def test_context_for_a_task_exports_its_baseline_with_the_recipes_settings(
 
 
 def test_quantize_runs_the_registered_step_and_evaluates(
-    tiny: Task, tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny: Task, tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     ctx = api.context_for(tiny, _recipe(tiny_recipe), tmp_path / "work", cache=cache)
     cfg = QuantizeConfig(mode="dynamic", samples=32, keep_first_last_float=False)
@@ -65,7 +65,7 @@ def test_quantize_runs_the_registered_step_and_evaluates(
 
 
 def test_injected_evaluate_and_compare_are_the_ones_steps_call(
-    tiny: Task, tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny: Task, tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     default = api.context_for(tiny, _recipe(tiny_recipe), tmp_path / "a", cache=cache)
     assert default.evaluate_fn is not None and default.compare_fn is not None
@@ -94,7 +94,7 @@ def test_injected_evaluate_and_compare_are_the_ones_steps_call(
 
 
 def test_a_context_without_a_benchmark(
-    tiny: Task, tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny: Task, tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     module = tiny.model()  # type: ignore[misc]
     torch_fp32 = Candidate("fp32-torch", "fp32", None, module=module)

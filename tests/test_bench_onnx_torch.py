@@ -42,8 +42,13 @@ def _tiny_depthwise() -> onnx.ModelProto:
     Resize and ConvTranspose, Concat, Sigmoid head: opset 12, weights as Constant nodes (as
     paddle2onnx writes them)."""
     rng = np.random.default_rng(0)
-    f = lambda *s: rng.normal(0, 0.3, s).astype(np.float32)  # noqa: E731
-    pos = lambda n: rng.uniform(0.5, 1.5, n).astype(np.float32)  # noqa: E731
+
+    def f(*shape: int) -> np.ndarray:
+        return rng.normal(0, 0.3, shape).astype(np.float32)
+
+    def pos(n: int) -> np.ndarray:
+        return rng.uniform(0.5, 1.5, n).astype(np.float32)
+
     nodes = [
         _const("w0", f(8, 3, 3, 3)), _const("b0", f(8)),
         _const("s", pos(8)), _const("sh", f(8)), _const("m", f(8)), _const("v", pos(8)),

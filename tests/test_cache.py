@@ -22,9 +22,12 @@ from slimline.candidate import Candidate
 from slimline.compress.graph import GraphConfig
 from slimline.compress.pruning.step import PruneConfig
 from slimline.compress.quant.config import QuantizeConfig
+from slimline.config import StepConfig
 from slimline.pipeline import Run, _baselines, _cached_step, _step_key
 from slimline.recipe import Recipe, recipe_from_dict
 from slimline.task import load_task
+
+_GRAPH: type[StepConfig] = GraphConfig  # the registry's key type
 
 KEY_SCRIPT = """
 import json, sys
@@ -60,7 +63,7 @@ def _keys_from(src: Path, recipe: dict[str, Any], tmp: Path, model: Path) -> dic
 
 
 def test_editing_an_unrelated_module_keeps_every_step_key(
-    tiny_recipe: dict, tmp_path: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path
 ) -> None:
     """A copy of the package whose serve/app.py docstring changed computes the same step keys,
     while the whole-package source hash (what keys were made of before) does change."""
@@ -80,7 +83,7 @@ def test_editing_an_unrelated_module_keeps_every_step_key(
 
 
 @pytest.fixture
-def key_run(tiny_recipe: dict, tmp_path: Path) -> Run:
+def key_run(tiny_recipe: dict[str, Any], tmp_path: Path) -> Run:
     tiny_recipe["steps"] = ["export", "graph", {"quantize": {"mode": "static"}}]
     recipe = recipe_from_dict(tiny_recipe)
     return Run(
@@ -122,7 +125,7 @@ def test_a_key_changes_with_the_steps_version_config_and_packages(
     assert _key(key_run, graph) != before
     monkeypatch.setattr(metadata, "version", real_version)
     spec = registry.spec_for(GraphConfig)
-    monkeypatch.setitem(registry._SPECS, GraphConfig, dataclasses.replace(spec, version=2))
+    monkeypatch.setitem(registry._SPECS, _GRAPH, dataclasses.replace(spec, version=2))
     assert _key(key_run, graph) != before
 
 
@@ -137,14 +140,14 @@ def test_a_key_holds_only_the_recipe_fields_its_step_reads(key_run: Run) -> None
 
 
 def test_fields_that_do_not_change_a_result_stay_out_of_the_key(key_run: Run) -> None:
-    quiet = PruneConfig(progress=False, workers=4, finetune={"progress": False})  # type: ignore[arg-type]
+    quiet = PruneConfig(progress=False, workers=4, finetune={"progress": False})
     assert quiet.key_dict() == PruneConfig().key_dict()
     assert PruneConfig(target=0.5).key_dict() != PruneConfig().key_dict()
     assert _key(key_run, quiet) == _key(key_run, PruneConfig())
 
 
 def test_a_changed_step_version_reruns_only_that_step(
-    tiny_recipe: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    tiny_recipe: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
     recipe = recipe_from_dict(tiny_recipe)
     graph = recipe.steps[1]
@@ -161,7 +164,7 @@ def test_a_changed_step_version_reruns_only_that_step(
     assert "step export: reusing" in caplog.text and "step graph: reusing" in caplog.text
     caplog.clear()
     spec = registry.spec_for(GraphConfig)
-    monkeypatch.setitem(registry._SPECS, GraphConfig, dataclasses.replace(spec, version=2))
+    monkeypatch.setitem(registry._SPECS, _GRAPH, dataclasses.replace(spec, version=2))
     run_graph("c")
     assert "step export: reusing" in caplog.text and "step graph: running" in caplog.text
 

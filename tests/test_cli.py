@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from slimline.export import export_module
 from slimline.task import load_task
 
 
-def test_unknown_recipe_key_one_line_error(tmp_path: Path, capsys) -> None:
+def test_unknown_recipe_key_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = tmp_path / "r.yaml"
     f.write_text("name: x\ntask: mnist\nsteps: [export]\nspeed: max\n")
     assert main(["optimize", str(f)]) == 2
@@ -21,7 +24,9 @@ def test_unknown_recipe_key_one_line_error(tmp_path: Path, capsys) -> None:
     assert err.startswith("error: recipe") and "speed: unknown key" in err and "\n" not in err
 
 
-def test_print_recipe_round_trips(tmp_path: Path, tiny_recipe: dict, capsys) -> None:
+def test_print_recipe_round_trips(
+    tmp_path: Path, tiny_recipe: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     import yaml
 
     f = tmp_path / "r.yaml"
@@ -33,7 +38,9 @@ def test_print_recipe_round_trips(tmp_path: Path, tiny_recipe: dict, capsys) -> 
     }
 
 
-def test_check_rejects_non_manifest_baseline(tmp_path: Path, capsys) -> None:
+def test_check_rejects_non_manifest_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "m.json").write_text(json.dumps({"schema": 1, "candidates": []}))
     (tmp_path / "bad.json").write_text("[]")
     assert main(["check", str(tmp_path / "m.json"), "--baseline", str(tmp_path / "bad.json")]) == 2
@@ -66,6 +73,7 @@ def test_check_exit_codes(tmp_path: Path) -> None:
 
 def test_profile_onnx_with_mismatched_samples(tmp_path: Path, tiny_task_file: Path) -> None:
     t = load_task(str(tiny_task_file))
+    assert t.model is not None
     onnx = export_module(t.model(), t.sample_inputs(2), tmp_path / "tiny.onnx")
     np.savez(tmp_path / "s.npz", x=np.zeros((3, 1, 12, 12), np.int64))
     proc = subprocess.run(

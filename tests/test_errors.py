@@ -23,7 +23,7 @@ BUILTIN_EXCEPTIONS = {
 }
 
 
-def _tree_classes() -> dict[str, type[SlimlineError]]:
+def _tree_classes() -> dict[str, type[BaseException]]:
     return {
         name: value
         for name, value in vars(errors).items()

@@ -46,7 +46,7 @@ class FakeQuant(torch.nn.Module):
         torch.manual_seed(0)
         self.fc = torch.nn.Linear(6, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         q = torch.fake_quantize_per_tensor_affine(x, 0.02, 128, 0, 255)
         return self.fc(q)
 
@@ -77,7 +77,7 @@ def test_a_mismatch_names_the_output_that_disagrees(tmp_path: Path) -> None:
     model = TwoHeads(as_dict=True).eval()
     path = export_module(model, _sample(2), tmp_path / "m.onnx")
     with torch.no_grad():
-        model.b.bias += 1.0  # only the second output changes after export
+        model.b.bias.add_(1.0)  # only the second output changes after export
     with pytest.raises(ExportError, match="on output 'score'"):
         verify_export(model, path, _sample(4), ExportConfig(), threads=1)
 
@@ -87,7 +87,7 @@ def test_a_fake_quant_model_is_checked_with_the_qdq_tolerance(tmp_path: Path) ->
     path = export_module(model, _sample(2), tmp_path / "q.onnx")
     assert export_kind(path) == "qdq"
     with torch.no_grad():  # a small disagreement, as a rounding step of a QDQ model gives
-        model.fc.bias += 0.01
+        model.fc.bias.add_(0.01)
     check = verify_export(model, path, _sample(8), ExportConfig(), threads=1)
     qdq = TOLERANCES["qdq"]
     assert check["limits"] == {"max_abs_err": qdq.max_abs_err, "min_cosine": qdq.min_cosine}
@@ -106,7 +106,7 @@ class Frames(torch.nn.Module):
         torch.manual_seed(0)
         self.fc = torch.nn.Linear(8, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         x = torch.nn.functional.pad(x, (4, 4), mode="reflect")
         return self.fc(x.unfold(-1, 8, 4)).mean(1)
 

@@ -10,7 +10,7 @@ from slimline.errors import StepError
 from slimline.module_guard import eval_module, private_copy, torch_threads
 
 
-def _net() -> nn.Module:
+def _net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
 

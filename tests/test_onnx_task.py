@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from slimline.task import load_task
 
 
 def _npz(path: Path, arrays: dict[str, np.ndarray]) -> str:
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]
     return str(path)
 
 
@@ -111,7 +112,7 @@ def test_one_row_cannot_be_split(tmp_path: Path, recurrent: Path) -> None:
         load_task(str(recurrent), _npz(tmp_path / "s.npz", recurrent_samples(1)))
 
 
-def _bad(tmp_path: Path, model: Path, **changes: np.ndarray) -> str:
+def _bad(tmp_path: Path, model: Path, **changes: Any) -> str:
     samples = {**recurrent_samples(8), **changes}
     samples = {k: v for k, v in samples.items() if v is not None}
     with pytest.raises(InputMismatchError) as err:
@@ -147,7 +148,7 @@ def test_named_batch_dim_names_the_row_count_mismatch(tmp_path: Path) -> None:
 
 
 def test_ambiguous_axis_asks_for_the_recipe_key_and_the_key_settles_it(tmp_path: Path) -> None:
-    free = [None, None, None]
+    free: list[int | str | None] = [None, None, None]
     model = passthrough_model(
         tmp_path / "m.onnx", {"a": (TensorProto.FLOAT, [None, 3]), "b": (TensorProto.FLOAT, free)}
     )
@@ -220,7 +221,7 @@ def _recipe(tmp_path: Path, model: Path, samples: dict[str, np.ndarray]) -> Path
     return path
 
 
-def _optimize(tmp_path: Path, recipe: Path, cache: Path, monkeypatch) -> dict:
+def _optimize(tmp_path: Path, recipe: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("SLIMLINE_CACHE", str(cache))
     out = tmp_path / f"run-{recipe.stem}"
     assert main(["optimize", str(recipe), "--out", str(out)]) == 0
@@ -230,7 +231,7 @@ def _optimize(tmp_path: Path, recipe: Path, cache: Path, monkeypatch) -> dict:
 
 
 def test_recurrent_model_end_to_end(
-    tmp_path: Path, recurrent: Path, cache: Path, monkeypatch
+    tmp_path: Path, recurrent: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = _optimize(tmp_path, _recipe(tmp_path, recurrent, recurrent_samples(48)), cache, monkeypatch)
     sig = m["task"]["signature"]
@@ -252,7 +253,7 @@ def test_recurrent_model_end_to_end(
 
 
 def test_fixed_batch_model_end_to_end(
-    tmp_path: Path, fixed: Path, cache: Path, monkeypatch
+    tmp_path: Path, fixed: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     m = _optimize(tmp_path, _recipe(tmp_path, fixed, fixed_batch_samples(24)), cache, monkeypatch)
     assert m["task"]["signature"]["max_batch"] == 1
@@ -265,7 +266,7 @@ def test_fixed_batch_model_end_to_end(
 
 
 def test_profile_takes_eval_samples(
-    tmp_path: Path, recurrent: Path, cache: Path, monkeypatch
+    tmp_path: Path, recurrent: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SLIMLINE_CACHE", str(cache))
     a = _npz(tmp_path / "a.npz", recurrent_samples(8, seed=1))

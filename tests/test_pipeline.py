@@ -7,22 +7,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from slimline.errors import ExportError
 from slimline.gate import compare_manifests
+from slimline.measure.latency import benchmark
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
 
-def _manifest(out: Path) -> dict:
+def _manifest(out: Path) -> Any:
     return json.loads((out / "manifest.json").read_text())
 
 
 def test_full_run_writes_manifest_artifacts_report(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
@@ -53,7 +55,9 @@ def test_full_run_writes_manifest_artifacts_report(
     assert "by_op_type" in json.dumps(m["profiles"])
 
 
-def test_rerun_reuses_cache(tiny_recipe: dict, tmp_path: Path, cache: Path, caplog) -> None:
+def test_rerun_reuses_cache(
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     recipe = recipe_from_dict(tiny_recipe)
     run_recipe(recipe, tmp_path / "a", cache=cache)
     caplog.set_level("INFO", logger="slimline")
@@ -67,7 +71,7 @@ def test_rerun_reuses_cache(tiny_recipe: dict, tmp_path: Path, cache: Path, capl
 
 
 def test_failed_export_check_is_an_error_and_run_records_it(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     tiny_recipe["steps"] = [{"export": {"max_abs_err": 1e-30, "min_cosine": 1.0}}]
     with pytest.raises(ExportError, match="disagrees with PyTorch"):
@@ -76,7 +80,7 @@ def test_failed_export_check_is_an_error_and_run_records_it(
     assert m["status"] == "failed" and "disagrees" in m["failure"]["error"]
 
 
-def test_kill_and_resume(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None:
+def test_kill_and_resume(tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path) -> None:
     """SIGKILL a run after its first step; the rerun resumes and leaves no partial file."""
     tiny_recipe["bench"]["rounds"] = 8
     recipe = tmp_path / "r.yaml"
@@ -120,7 +124,7 @@ def test_kill_and_resume(tiny_recipe: dict, tmp_path: Path, cache: Path) -> None
 
 
 def test_check_gate_detects_slowdown_beyond_noise() -> None:
-    def manifest(p50: float, band: tuple[float, float], metric: float) -> dict:
+    def manifest(p50: float, band: tuple[float, float], metric: float) -> dict[str, Any]:
         return {
             "schema": 1,
             "candidates": [
@@ -146,14 +150,14 @@ def test_check_gate_detects_slowdown_beyond_noise() -> None:
 
 
 def test_a_drifting_machine_is_named_in_the_manifest(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final benchmark's baseline moved 1.6x between rounds (a VM changing speed mode): the
     run times batch 1 again with twice the rounds, pools them, and says so in the manifest
     instead of letting the ratios pass as settled."""
     import slimline.pipeline as pipeline
 
-    real = pipeline.benchmark
+    real = benchmark
 
     def drifting(cands, sample, bench, threads, **kw):  # type: ignore[no-untyped-def]
         figures = real(cands, sample, bench, threads, **kw)

@@ -12,19 +12,22 @@ import numpy as np
 import pytest
 import yaml
 
-from fixtures.cpu_kinds import first_static_label
+from fixtures.int8_kinds import first_static_label
 from slimline import steps
 from slimline.candidate import Candidate
 from slimline.cli import main
 from slimline.compress.graph import GraphConfig, graph_step
 from slimline.compress.quant import auto
+from slimline.config import StepConfig
 from slimline.cpu import CpuInt8
 from slimline.errors import DataError, ExportError
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
+_GRAPH: type[StepConfig] = GraphConfig  # the registry's key type
 
-def _manifest(out: Path) -> dict[str, Any]:
+
+def _manifest(out: Path) -> Any:
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -39,11 +42,11 @@ def _replace_graph_step(monkeypatch: pytest.MonkeyPatch, basic: Any) -> None:
         return basic(cfg, cand, ctx) if cfg.level == "basic" else graph_step(cfg, cand, ctx)
 
     spec = steps.spec_for(GraphConfig)  # loads the built-in handlers before replacing one
-    monkeypatch.setitem(steps._SPECS, GraphConfig, dataclasses.replace(spec, handler=handler))
+    monkeypatch.setitem(steps._SPECS, _GRAPH, dataclasses.replace(spec, handler=handler))
 
 
 def test_a_step_failing_in_a_library_is_rejected_and_the_run_completes(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def explode(cfg: GraphConfig, cand: Candidate, ctx: Any) -> Candidate:
         raise RuntimeError("optimizer library exploded in node /stem/Conv")
@@ -65,7 +68,7 @@ def test_a_step_failing_in_a_library_is_rejected_and_the_run_completes(
 
 @pytest.mark.cpu_kinds
 def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
-    tiny_recipe: dict,
+    tiny_recipe: dict[str, Any],
     tmp_path: Path,
     cache: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -89,7 +92,7 @@ def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
 
 
 def test_a_candidate_slimline_wrote_that_fails_to_load_is_rejected_not_blamed_on_the_user(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def corrupt(cfg: GraphConfig, cand: Candidate, ctx: Any) -> Candidate:
         path = ctx.workdir / "model.onnx"
@@ -129,7 +132,7 @@ def test_a_users_model_onnx_runtime_cannot_load_is_a_one_line_error_naming_the_f
 
 
 def test_a_failed_baseline_export_ends_the_run_with_manifest_report_and_exit_3(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     tiny_recipe["steps"] = [{"export": {"max_abs_err": 1e-30, "min_cosine": 1.0}}]
     out = tmp_path / "run"
@@ -148,7 +151,7 @@ def test_a_failed_baseline_export_ends_the_run_with_manifest_report_and_exit_3(
 
 
 def test_a_user_error_inside_a_step_still_fails_fast(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def bad_data(cfg: GraphConfig, cand: Candidate, ctx: Any) -> Candidate:
         raise DataError("calibration_data() yielded no samples; give it input batches")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from slimline import pipeline
+from slimline.measure.latency import benchmark
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
@@ -70,7 +71,7 @@ def metric(outputs, labels):
 """
 
 
-def _manifest(out: Path) -> dict[str, Any]:
+def _manifest(out: Path) -> Any:
     return json.loads((out / "manifest.json").read_text())
 
 
@@ -90,7 +91,7 @@ def _later_ones_slower(real: Callable[..., Any], factor: float = 3.0) -> Callabl
     Not ``factor`` x its own: how much faster INT8 runs than FP32 differs by CPU kind (3.5x for
     this MLP on one AVX2 machine), and the machine would then decide whether a step is slower."""
 
-    def bench(cands: list[Any], *args: Any, **kw: Any) -> dict[str, dict[str, Any]]:
+    def bench(cands: list[Any], *args: Any, **kw: Any) -> Any:
         figures = real(cands, *args, **kw)
         for c in cands[1:]:
             parent = figures.get(c.parent) or figures[cands[0].name]
@@ -102,7 +103,7 @@ def _later_ones_slower(real: Callable[..., Any], factor: float = 3.0) -> Callabl
     return bench
 
 
-def _size_recipe(tiny_recipe: dict, objective: str, folder: Path) -> dict:
+def _size_recipe(tiny_recipe: dict[str, Any], objective: str, folder: Path) -> dict[str, Any]:
     task = folder / "mlp_task.py"
     task.write_text(MLP_TASK)
     tiny_recipe["task"] = str(task)
@@ -117,9 +118,9 @@ def _size_recipe(tiny_recipe: dict, objective: str, folder: Path) -> dict:
 
 
 def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(pipeline.benchmark))
+    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "size", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     by_name = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}
@@ -134,9 +135,9 @@ def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
 
 
 def test_latency_objective_drops_the_same_slower_step(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(pipeline.benchmark))
+    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "latency", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     quant = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}["quantize"]
@@ -144,14 +145,14 @@ def test_latency_objective_drops_the_same_slower_step(
 
 
 def test_remeasure_judges_and_measures_again_but_reuses_the_steps(
-    tiny_recipe: dict,
+    tiny_recipe: dict[str, Any],
     tmp_path: Path,
     cache: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     calls: list[list[str]] = []
-    real = pipeline.benchmark
+    real = benchmark
 
     def counted(cands: list[Any], *args: Any, **kw: Any) -> dict[str, dict[str, Any]]:
         calls.append([c.name for c in cands])

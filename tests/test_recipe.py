@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -10,7 +11,7 @@ from slimline.export import ExportConfig
 from slimline.recipe import BenchConfig, BudgetConfig, TargetConfig, load_recipe, recipe_from_dict
 
 
-def test_round_trip_through_dict_and_yaml(tiny_recipe: dict, tmp_path: Path) -> None:
+def test_round_trip_through_dict_and_yaml(tiny_recipe: dict[str, Any], tmp_path: Path) -> None:
     r = recipe_from_dict(tiny_recipe)
     assert [type(s) for s in r.steps] == [ExportConfig, GraphConfig]
     again = recipe_from_dict(r.to_dict())
@@ -30,17 +31,17 @@ def test_round_trip_through_dict_and_yaml(tiny_recipe: dict, tmp_path: Path) -> 
         BenchConfig(rounds=10, runs_per_round=20),
     ],
 )
-def test_every_config_round_trips(cfg) -> None:
+def test_every_config_round_trips(cfg: Any) -> None:
     assert type(cfg).model_validate(cfg.model_dump(mode="json")) == cfg
 
 
-def test_unknown_key_is_an_error_naming_the_key(tiny_recipe: dict) -> None:
+def test_unknown_key_is_an_error_naming_the_key(tiny_recipe: dict[str, Any]) -> None:
     tiny_recipe["budgett"] = {}
     with pytest.raises(RecipeError, match="budgett: unknown key"):
         recipe_from_dict(tiny_recipe)
 
 
-def test_unknown_step_key_and_wrong_type(tiny_recipe: dict) -> None:
+def test_unknown_step_key_and_wrong_type(tiny_recipe: dict[str, Any]) -> None:
     tiny_recipe["steps"] = [{"graph": {"levl": "basic"}}]
     with pytest.raises(RecipeError, match="levl"):
         recipe_from_dict(tiny_recipe)
@@ -52,7 +53,7 @@ def test_unknown_step_key_and_wrong_type(tiny_recipe: dict) -> None:
         recipe_from_dict(tiny_recipe)
 
 
-def test_too_few_timed_runs_rejected(tiny_recipe: dict) -> None:
+def test_too_few_timed_runs_rejected(tiny_recipe: dict[str, Any]) -> None:
     tiny_recipe["bench"]["runs_per_round"] = 10
     with pytest.raises(RecipeError, match="at least 200 runs"):
         recipe_from_dict(tiny_recipe)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ def test_step_cache_publishes_whole_entries_only(tmp_path: Path) -> None:
     cache = StepCache(tmp_path)
     assert cache.step_dir("sha256:abc") is None
 
-    def boom(d: Path) -> dict:
+    def boom(d: Path) -> dict[str, Any]:
         (d / "half.onnx").write_bytes(b"x")
         raise RuntimeError("killed")
 
@@ -67,7 +68,7 @@ def test_step_cache_publishes_whole_entries_only(tmp_path: Path) -> None:
     assert cache.step_dir("sha256:abc") is None
     assert list((tmp_path / "steps").iterdir()) == []
 
-    def good(d: Path) -> dict:
+    def good(d: Path) -> dict[str, Any]:
         (d / "m.onnx").write_bytes(b"y")
         return {"ok": True}
 

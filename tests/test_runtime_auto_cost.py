@@ -11,6 +11,7 @@ import pytest
 
 import slimline.pipeline as pipeline
 from slimline.candidate import Candidate
+from slimline.measure.quality import evaluate
 from slimline.pick import pairs_of
 from slimline.recipe import recipe_from_dict
 from slimline.runtimes import pick_pair
@@ -20,7 +21,7 @@ pytest.importorskip("openvino", reason="the openvino extra is not installed")
 
 
 @pytest.fixture
-def auto_run(tiny_recipe: dict, tmp_path: Path, cache: Path) -> pipeline.Run:
+def auto_run(tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path) -> pipeline.Run:
     """A runtime-auto run on the tiny task up to its first step (FP32 baselines, reference)."""
     raw = {**tiny_recipe, "target": {"threads": 1, "runtime": "auto"}, "steps": ["export"]}
     recipe = recipe_from_dict(raw)
@@ -32,7 +33,7 @@ def auto_run(tiny_recipe: dict, tmp_path: Path, cache: Path) -> pipeline.Run:
 def evaluations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The runner name of every evaluation the pipeline runs."""
     seen: list[str] = []
-    real = pipeline.evaluate
+    real = evaluate
 
     def counting(runner: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(runner.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ def test_target_runtime_takes_the_two_runtimes_and_auto_only() -> None:
     for rt in ("onnxruntime", "openvino", "auto"):
         assert TargetConfig(runtime=rt).runtime == rt
     with pytest.raises(ValidationError):
-        TargetConfig(runtime="tensorrt")  # type: ignore[arg-type]
+        TargetConfig(runtime="tensorrt")
     assert runtimes_for("onnxruntime") == ["onnxruntime"]
 
 
@@ -45,7 +46,7 @@ def test_openvino_without_the_package_names_the_extra(runtime: str) -> None:
 
 @pytest.mark.usefixtures("no_openvino")
 def test_a_run_on_openvino_without_the_package_stops_before_any_work(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     recipe = recipe_from_dict({**tiny_recipe, "target": {"threads": 1, "runtime": "openvino"}})
     with pytest.raises(RuntimeMissingError, match=r"slimline\[openvino\]"):
@@ -72,7 +73,7 @@ def test_the_pick_is_the_fastest_eligible_pair_within_budget() -> None:
 
 
 def test_runtime_auto_measures_every_pair_and_serves_the_pick(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     pytest.importorskip("openvino", reason="the openvino extra is not installed")
     pytest.importorskip("nncf", reason="the openvino extra is not installed")
@@ -122,7 +123,7 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
 
 @pytest.mark.cpu_kinds
 def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     pytest.importorskip("nncf", reason="the openvino extra is not installed")
     raw = {
@@ -147,7 +148,7 @@ def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
 
 @pytest.mark.cpu_kinds
 def test_the_nncf_step_alone_writes_an_int8_model_both_runtimes_load(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     pytest.importorskip("nncf", reason="the openvino extra is not installed")
     raw = {**tiny_recipe, "target": {"threads": 1, "runtime": "openvino"}}

@@ -4,6 +4,7 @@ under a scanned package registers itself without being listed anywhere."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from slimline.report import sections
 from slimline.steps import check_order, config_class, registered_kinds, spec_for, start_forms
 
 
-def _recipe(steps: list, task: str = "task.py") -> dict:
+def _recipe(steps: list[Any], task: str = "task.py") -> dict[str, Any]:
     return {"name": "r", "task": task, "steps": steps}
 
 
@@ -45,7 +46,7 @@ def _recipe(steps: list, task: str = "task.py") -> dict:
     ],
 )
 def test_an_impossible_order_is_a_one_line_recipe_error(
-    steps: list, task: str, message: str
+    steps: list[Any], task: str, message: str
 ) -> None:
     with pytest.raises(RecipeError) as err:
         recipe_from_dict(_recipe(steps, task))
@@ -62,7 +63,7 @@ def test_an_impossible_order_is_a_one_line_recipe_error(
         ["prune", "export"],  # export makes the baseline wherever it is listed
     ],
 )
-def test_possible_orders_pass(steps: list) -> None:
+def test_possible_orders_pass(steps: list[Any]) -> None:
     assert [s.kind for s in recipe_from_dict(_recipe(steps)).steps] == [
         s if isinstance(s, str) else next(iter(s)) for s in steps
     ]
@@ -91,7 +92,7 @@ def test_every_builtin_step_declares_what_its_key_depends_on() -> None:
 
 
 STEP_MODULE = """
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from slimline.candidate import Candidate
 from slimline.config import StepConfig

@@ -55,6 +55,7 @@ def test_check_inputs_messages() -> None:
 @pytest.fixture
 def onnx_file(tmp_path: Path, tiny_task_file: Path) -> Path:
     t = load_task(str(tiny_task_file))
+    assert t.model is not None
     return export_module(t.model(), t.sample_inputs(2), tmp_path / "tiny.onnx")
 
 

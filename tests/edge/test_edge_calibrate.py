@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -59,14 +60,17 @@ def _perturbed_edge(fp32: Path, out: Path) -> Path:
     """The FP32 model with its head's bias shifted, so low-margin rows change class."""
     model = onnx.load(str(fp32))
     bias = next(i for i in model.graph.initializer if list(i.dims) == [4])
-    shifted = numpy_helper.to_array(bias) + np.float32([0.06, -0.02, 0.02, -0.06])
+    shifted = numpy_helper.to_array(bias) + np.array([0.06, -0.02, 0.02, -0.06], np.float32)
     bias.CopyFrom(numpy_helper.from_array(shifted.astype(np.float32), bias.name))
     onnx.save(model, str(out))
     return out
 
 
 def test_calibrate_writes_the_curve_and_a_threshold_serve_reads(
-    tiny_recipe: dict, tiny_task_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_recipe: dict[str, Any],
+    tiny_task_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from slimline import api, load_task
     from slimline.recipe import recipe_from_dict

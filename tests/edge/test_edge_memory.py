@@ -75,7 +75,9 @@ def sequence_model(path: Path) -> Path:
     return path
 
 
-def row(label: str, peak: float, p50: float, p99: float | None = None, **setting: Any) -> dict:
+def row(
+    label: str, peak: float, p50: float, p99: float | None = None, **setting: Any
+) -> dict[str, Any]:
     s = MemorySetting(**setting)
     return {"setting": s.model_dump(), "label": label, "peak_rss_mb": peak, "p50_ms": p50,
             "p99_ms": p99 if p99 is not None else p50 * 2}  # fmt: skip
@@ -249,7 +251,7 @@ def test_the_report_plots_each_setting_and_marks_the_chosen_one() -> None:
 
 
 def test_a_run_with_a_budget_records_the_chosen_setting_and_a_tight_one_fails(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     from slimline.pipeline import run_recipe
     from slimline.record import load_manifest

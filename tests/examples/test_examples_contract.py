@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,7 +165,7 @@ def test_minilm_batches_match_the_contract() -> None:
     assert lab is None and inputs["input_ids"].shape == (minilm.BATCH, minilm.SEQ_LEN)
 
 
-def _unit(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+def _unit(rng: np.random.Generator, n: int, d: int) -> Any:
     e = rng.standard_normal((n, d))
     return e / np.linalg.norm(e, axis=1, keepdims=True)
 
@@ -207,7 +208,7 @@ def test_mnist_model_trains_once_then_loads_from_cache(
     state = mnist.build().state_dict()
     calls = []
 
-    def fake_train() -> dict:
+    def fake_train() -> Any:
         calls.append(1)
         return state
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ def _randomize_bn(net: torch.nn.Module, seed: int) -> None:
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             n = m.num_features
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.copy_(torch.randn(n, generator=g) * 0.5)
             m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
             m.weight.data.copy_(torch.randn(n, generator=g))
@@ -88,7 +90,7 @@ def test_model_trains_once_then_loads_the_folded_weights(
     state = mnist_rep.deployed().state_dict()
     calls = []
 
-    def fake_train() -> dict:
+    def fake_train() -> Any:
         calls.append(1)
         return state
 
@@ -111,7 +113,7 @@ def test_the_shipped_weights_are_this_configurations_and_load_without_training(
     )
     assert {"seed", "cpu", "torch"} <= set(meta)
 
-    def no_training() -> dict:
+    def no_training() -> dict[str, Any]:
         raise AssertionError("trained although the shipped weights match")
 
     monkeypatch.setattr(mnist_rep, "train_model", no_training)

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -14,8 +15,8 @@ from slimline.loadtest import cli as lt_cli
 from slimline.loadtest.capacity import alert_rules, plan_capacity
 
 
-def _sweep(knee_rate: float = 400.0) -> dict:
-    def step(rate: float, p99: float) -> dict:
+def _sweep(knee_rate: float = 400.0) -> dict[str, Any]:
+    def step(rate: float, p99: float) -> dict[str, Any]:
         lat = {"p50": 5.0, "p95": 8.0, "p99": p99, "p999": p99, "max": p99}
         return {
             "offered_rate": rate,

@@ -3,6 +3,8 @@ capacity plan of its cloud tier for the escalated share of the peak."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -41,7 +43,7 @@ def test_a_steps_escalation_is_the_difference_of_the_counters() -> None:
     assert cascade_figures(first, first) == {} and cascade_line({}) is None
 
 
-def sweep(knees: list[tuple[float, float]], escalation: float | None = None) -> dict:
+def sweep(knees: list[tuple[float, float]], escalation: float | None = None) -> dict[str, Any]:
     steps = [
         {"offered_rate": r, "achieved_rate": r, "error_rate": 0.0, "requests": 1000,
          "latency_ms": {"p50": p99 / 2, "p95": p99, "p99": p99, "p999": p99, "max": p99},

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from slimline.loadtest.run import LoadTestConfig, run_loadtest
 PAYLOADS = [encode_request({"x": np.zeros((1, 4), np.float32)}, "json")]
 
 
-def _open(rate: float, duration: float, warmup: float, **fake: object) -> dict:
+def _open(rate: float, duration: float, warmup: float, **fake: Any) -> dict[str, Any]:
     cfg = LoadTestConfig(
         url="http://127.0.0.1:9",
         model="m",
@@ -217,7 +219,7 @@ def test_auto_processes_doubles_when_one_generator_falls_behind(
         return Records(plan.offsets.copy(), sent, sent + 0.005, np.zeros(len(sent), np.int8))
 
     monkeypatch.setattr(run_mod, "execute", fake_execute)
-    monkeypatch.setattr(run_mod.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     cfg = LoadTestConfig(
         url="http://127.0.0.1:9",
         model="m",

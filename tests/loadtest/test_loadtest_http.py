@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -55,7 +56,7 @@ def _reference(url: str, seconds: float) -> subprocess.Popen[str]:
     )
 
 
-def _accuracy_attempt(url: str) -> tuple[dict, np.ndarray, np.ndarray]:
+def _accuracy_attempt(url: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
     _true_ms(url)  # clear the server's record
     ref = _reference(url, 5.0)
     cfg = LoadTestConfig(

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from slimline.examples import EXAMPLES
 from slimline.loadtest.payload import build_payloads, encode_request, load_samples
 
 
-def _split_binary(body: bytes, header_len: int) -> tuple[dict, bytes]:
+def _split_binary(body: bytes, header_len: int) -> tuple[dict[str, Any], bytes]:
     return json.loads(body[:header_len]), body[header_len:]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -30,7 +31,9 @@ def _linear(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("encoding", ["json", "binary"])
-def test_both_encodings_against_slimline_serve_with_a_token(tmp_path: Path, encoding: str) -> None:
+def test_both_encodings_against_slimline_serve_with_a_token(
+    tmp_path: Path, encoding: Literal["json", "binary"]
+) -> None:
     models = load_served_models([_linear(tmp_path / "lin.onnx")])
     settings = ServeSettings(port=0, api_token=SecretStr("s3cret"))
     samples = {"x": np.random.default_rng(0).random((16, 4), dtype=np.float32)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from slimline.loadtest.stubserver import stub_server
 from slimline.loadtest.sweep import SweepConfig, find_knee, judge_step, run_sweep
 
 
-def _step(rate: float, p99: float, achieved: float | None = None, errors: float = 0.0) -> dict:
+def _step(
+    rate: float, p99: float, achieved: float | None = None, errors: float = 0.0
+) -> dict[str, Any]:
     lat = {"p50": p99 / 2, "p95": p99 * 0.9, "p99": p99, "p999": p99 * 1.2, "max": p99 * 1.5}
     return {
         "offered_rate": rate,
@@ -46,7 +49,7 @@ def test_knee_is_the_highest_pass_below_the_first_failure() -> None:
 def test_sweep_climbs_stops_and_refines() -> None:
     asked: list[float] = []
 
-    def runner(rate: float) -> dict:  # a server whose p99 explodes above 100 rps
+    def runner(rate: float) -> dict[str, Any]:  # a server whose p99 explodes above 100 rps
         asked.append(rate)
         return _step(rate, 10 if rate <= 100 else 500)
 
@@ -165,7 +168,7 @@ def test_report_section_shows_capacity_and_tune_results(tmp_path: Path) -> None:
 def test_an_invalid_step_is_repeated_once_then_stops_the_sweep() -> None:
     calls: list[float] = []
 
-    def flaky(rate: float) -> dict:
+    def flaky(rate: float) -> dict[str, Any]:
         calls.append(rate)
         step = _step(rate, 10)
         step["valid"] = not (rate == 40 and calls.count(40) == 1)  # invalid the first time only
@@ -175,7 +178,7 @@ def test_an_invalid_step_is_repeated_once_then_stops_the_sweep() -> None:
     doc = run_sweep(SweepConfig(slo_p99_ms=50, rates=[20, 40], pause_s=0), flaky)
     assert calls == [20, 40, 40] and doc["steps"][1]["retried"] is True
 
-    def broken(rate: float) -> dict:
+    def broken(rate: float) -> dict[str, Any]:
         return {**_step(rate, 10), "valid": False, "invalid_reason": "schedule lag p99 99 ms"}
 
     with pytest.raises(LoadTestError, match="sweep step at 20 rps is invalid: schedule lag"):

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -74,7 +75,7 @@ def test_serve_setting_becomes_serve_flags() -> None:
     ]
 
 
-def _stub_starter(delays_ms: dict[str, float], started: list[tuple[str, list[str]]]):
+def _stub_starter(delays_ms: dict[str, float], started: list[tuple[str, list[str]]]) -> Any:
     def start(path: Path, args: list[str]) -> AbstractContextManager[str]:
         @contextmanager
         def cm() -> Iterator[str]:
@@ -167,7 +168,7 @@ def test_search_stops_when_nothing_meets_the_slo(tmp_path: Path) -> None:
     assert [s for s, _ in started] == ["a", "b"]  # one failed step each, nothing finer
 
 
-def _args_starter(delay_ms: Callable[[list[str]], float], started: list[list[str]]):
+def _args_starter(delay_ms: Callable[[list[str]], float], started: list[list[str]]) -> Any:
     """A one-at-a-time stub server whose delay depends on the serve flags it is started with."""
 
     def start(path: Path, args: list[str]) -> AbstractContextManager[str]:

@@ -4,6 +4,7 @@ import json
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -88,7 +89,7 @@ def test_profile_missing_file(tmp_path: Path, inputs: dict[str, np.ndarray]) -> 
         profile_ops(tmp_path / "nope.onnx", inputs, threads=1)
 
 
-def _ev(cat: str, name: str, ts: int, dur: int, op: str | None = None) -> dict:
+def _ev(cat: str, name: str, ts: int, dur: int, op: str | None = None) -> dict[str, Any]:
     e = {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}
     if op:
         e["args"] = {"op_name": op}

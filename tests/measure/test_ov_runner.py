@@ -65,7 +65,7 @@ def det_model(path: Path) -> Path:
 def qdq(src: Path, dst: Path) -> Path:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
 
-    class Reader(CalibrationDataReader):
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self) -> None:
             self.items = iter([{"x": RNG.standard_normal((8, 16)).astype(np.float32)}] * 4)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from slimline.measure.latency import (
 from slimline.report.html import ratio_to_base
 
 
-def _lat(per_round_p50: list[float]) -> dict[str, object]:
+def _lat(per_round_p50: list[float]) -> dict[str, Any]:
     """A latency summary whose rounds are 9 samples each, centred on the given medians."""
     return summarize_latency([np.full(9, v) + np.linspace(-0.1, 0.1, 9) for v in per_round_p50])
 

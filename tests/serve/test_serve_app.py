@@ -32,7 +32,9 @@ from slimline.serve import (
 X = np.array([[1.0, 2.0, 3.0, 4.0], [-1.0, 0.5, 0.0, 2.0]], dtype=np.float32)
 
 
-def infer_body(x: np.ndarray, name: str = "x", datatype: str = "FP32", **extra: Any) -> dict:
+def infer_body(
+    x: np.ndarray, name: str = "x", datatype: str = "FP32", **extra: Any
+) -> dict[str, Any]:
     return {
         "inputs": [{"name": name, "shape": list(x.shape), "datatype": datatype,
                     "data": x.ravel().tolist()}],
@@ -128,8 +130,8 @@ def test_multi_input_model_with_free_sequence_length(client: httpx.Client) -> No
     r = client.post("/v2/models/tokens/infer", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["outputs"][0]["data"] == [3.0, 4.0]
-    body["inputs"][1]["shape"] = [2, 2]  # type: ignore[index]
-    body["inputs"][1]["data"] = [[1, 1], [1, 0]]  # type: ignore[index]
+    body["inputs"][1]["shape"] = [2, 2]
+    body["inputs"][1]["data"] = [[1, 1], [1, 0]]
     r = client.post("/v2/models/tokens/infer", json=body)
     assert r.status_code == 400  # shared symbolic dimension 'S' must agree: a 400, not a 500
     assert "disagree on dimension 'S' (3 vs 2)" in r.json()["error"]
@@ -162,7 +164,7 @@ def test_fixed_batch_model_runs_requests_alone(client: httpx.Client) -> None:
     ],
 )  # fmt: skip
 def test_invalid_requests_are_400_naming_the_input(
-    client: httpx.Client, body: dict, fragment: str
+    client: httpx.Client, body: dict[str, Any], fragment: str
 ) -> None:
     r = client.post("/v2/models/tiny/infer", content=json.dumps(body))
     assert r.status_code == 400, r.text
@@ -236,7 +238,7 @@ def fake_model(name: str = "fake", delay_s: float = 0.0, **kw: Any) -> ServedMod
     return ServedModel(name, backend, **kw)
 
 
-def fake_body(rows: int = 1) -> dict:
+def fake_body(rows: int = 1) -> dict[str, Any]:
     return infer_body(np.ones((rows, 2), np.float32))
 
 

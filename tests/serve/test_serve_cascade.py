@@ -41,7 +41,7 @@ def edge_model() -> ServedModel:
 
 def cloud_backend(fn: Callable[[Any], Any] | None = None, delay_s: float = 0.0) -> FakeBackend:
     def answer(t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {"logits": np.tile(np.float32(CLOUD_ROW), (len(t["x"]), 1))}
+        return {"logits": np.tile(np.array(CLOUD_ROW, np.float32), (len(t["x"]), 1))}
 
     return FakeBackend(X_SPEC, OUT_SPEC, fn or answer, delay_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def values(dtype: str) -> np.ndarray:
 @pytest.mark.parametrize("binary", [False, True])
 def test_every_datatype_round_trips(datatype: str, binary: bool) -> None:
     arr = values(V2_TO_NP[datatype])
-    tensor: dict = {"name": "t", "shape": [1, 3], "datatype": datatype}
+    tensor: dict[str, Any] = {"name": "t", "shape": [1, 3], "datatype": datatype}
     if binary:
         tensor["parameters"] = {"binary_data_size": arr.nbytes}
         head = json.dumps({"inputs": [tensor]}).encode()
@@ -70,7 +71,7 @@ def test_every_datatype_round_trips(datatype: str, binary: bool) -> None:
           "parameters": {"binary_data_size": 8}}, "needs 4"),
     ],
 )  # fmt: skip
-def test_bad_tensors_name_the_problem(tensor: dict, fragment: str) -> None:
+def test_bad_tensors_name_the_problem(tensor: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ProtocolError, match=fragment) as info:
         parse_infer_request(json.dumps({"inputs": [tensor]}).encode(), None)
     assert info.value.status == 400 and "'t'" in str(info.value)

@@ -39,10 +39,10 @@ def ray_url(model_dir: Path) -> Iterator[str]:
         app = build_ray_app([model_dir / "tiny.onnx"], settings, replicas=2, cpus_per_replica=0.5)
         serve.run(app, name="slimline", route_prefix="/")
         status = serve.status().applications["slimline"].deployments["slimline"]
-        assert status.replica_states.get("RUNNING") == 2
+        assert status.replica_states.get("RUNNING") == 2  # type: ignore[call-overload]
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -18,7 +19,7 @@ from slimline.serve import load_served_models, run_in_thread
 
 @pytest.mark.slow
 def test_a_pipeline_run_is_served_under_its_task_name(
-    tiny_recipe: dict, tmp_path: Path, cache: Path
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path
 ) -> None:
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)

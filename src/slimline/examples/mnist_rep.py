@@ -24,8 +24,8 @@ goes stale.
 
 The trained weights ship with slimline (``weights/mnist-rep.safetensors``, safetensors: no
 pickle), because the example's premise depends on them and training numerics differ by CPU kind:
-the same seed trained on an AVX2-only machine gave weights whose full INT8 PTQ kept cosine 0.998,
-within the budget. The file's metadata names its key (a hash of the architecture, the training
+the same seed trained on an AVX2-only machine gave weights whose full INT8 PTQ met the budget
+(``bench/RESULTS-cpu-kinds.md`` has the shipped weights' figures per CPU kind). The file's metadata names its key (a hash of the architecture, the training
 configuration and the data), the seed, and the CPU kind and torch version that trained it;
 ``python -m slimline.examples.mnist_rep`` trains and writes it again. Where the configuration
 no longer matches the shipped key, the first call to :func:`model` trains the network and caches

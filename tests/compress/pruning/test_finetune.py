@@ -40,11 +40,11 @@ class Net(nn.Module):
         self.a = nn.Linear(16, 32)
         self.b = nn.Linear(32, out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         return self.b(torch.relu(self.a(x)))
 
 
-def _pair(out: int = 4) -> tuple[nn.Module, nn.Module]:
+def _pair(out: int = 4) -> tuple[Net, Net]:
     torch.manual_seed(0)
     teacher = Net(out).eval()
     with torch.no_grad():
@@ -169,7 +169,7 @@ def test_dynamic_padding_cuts_only_all_padding_columns() -> None:
     assert trim_padding({"x": ids}) == {"x": ids}  # no mask: untouched
 
 
-def _hidden_error(student: nn.Module, teacher: nn.Module, data: Any) -> float:
+def _hidden_error(student: Net, teacher: Net, data: Any) -> float:
     """Relative squared error of the first layer's output, student against teacher."""
     with torch.no_grad():
         err = [
@@ -309,7 +309,7 @@ class NormNet(Net):
         super().__init__()
         self.norm = nn.BatchNorm1d(32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         return self.b(torch.relu(self.norm(self.a(x))))
 
 
@@ -332,7 +332,7 @@ class DropNet(Net):
         super().__init__()
         self.drop = nn.Dropout(0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         return self.b(self.drop(torch.relu(self.a(x))))
 
 

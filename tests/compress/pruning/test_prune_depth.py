@@ -70,11 +70,12 @@ class Plain(nn.Module):
         self.inp = nn.Linear(4, width)
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
         with torch.no_grad():
-            self.blocks[2].fc.weight.mul_(1e-3)
-            self.blocks[2].fc.bias.zero_()
+            quiet: Any = self.blocks[2]
+            quiet.fc.weight.mul_(1e-3)
+            quiet.fc.bias.zero_()
         self.out = nn.Linear(width, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         y = self.inp(x)
         for block in self.blocks:
             y = block(y)
@@ -322,7 +323,7 @@ def test_depth_and_width_in_one_step(bert: Task, tmp_path: Path) -> None:
 def test_a_run_killed_while_recovering_the_layers_continues_inside_the_recovery(
     bert: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = depth_stage.distill
+    real = distill
 
     class Dies:
         def __init__(self, inner: Any) -> None:
@@ -344,11 +345,14 @@ def test_a_run_killed_while_recovering_the_layers_continues_inside_the_recovery(
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(bert), make_context(bert, tmp_path / "a"))
     swept: list[int] = []
-    real_sweep = depth_stage.layer_sensitivity
+    real_sweep = layer_sensitivity
     monkeypatch.setattr(depth_stage, "distill", real)
-    monkeypatch.setattr(
-        depth_stage, "layer_sensitivity", lambda *a, **kw: swept.append(1) or real_sweep(*a, **kw)
-    )
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        swept.append(1)
+        return real_sweep(*a, **kw)
+
+    monkeypatch.setattr(depth_stage, "layer_sensitivity", counted)
     cand = prune_step(cfg, _fp32(bert), make_context(bert, tmp_path / "b"))
     recovery = cand.meta["layers"]["recovery"]["finetune"]
     assert recovery["resumed_from_step"] == 10 and recovery["steps"] == 20

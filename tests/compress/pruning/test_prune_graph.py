@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,17 +44,18 @@ class ResNetish(nn.Module):
         self.fc1 = nn.Linear(32, 64)
         self.fc = nn.Linear(64, 10)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         y = self.b2(torch.relu(self.down(self.b1(torch.relu(self.stem(x))))))
         y = torch.relu(self.dw(y)).mean((2, 3))
         return self.fc(torch.relu(self.fc1(y)))
 
 
-def _net() -> nn.Module:
+def _net() -> ResNetish:
     torch.manual_seed(0)
     net = ResNetish()
     for m in net.modules():  # non-trivial BN statistics so pruning changes outputs measurably
         if isinstance(m, nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
     return net.eval()
@@ -169,7 +171,7 @@ class Untraceable(nn.Module):
         self.d = nn.Conv2d(32, 32, 3, padding=1)
         self.fc = nn.Linear(32, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         y = torch.relu(self.b(torch.relu(self.a(x))))
         z = self.c(self.hide(y)) + self.d(y)  # c's input comes through the opaque module
         return self.fc(z.mean((2, 3)))
@@ -188,7 +190,7 @@ class Crashes(nn.Module):
         self.a = nn.Linear(4, 4)
         self.inner = nn.Sequential(nn.Linear(4, 4), Boom())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         return self.inner(self.a(x))
 
 
@@ -219,9 +221,9 @@ class Encoder(nn.Module):
             intermediate_size=128,
             max_position_embeddings=32,
         )
-        self.bert = BertModel(cfg, add_pooling_layer=False).eval()
+        self.bert = BertModel(cfg, add_pooling_layer=False).eval()  # type: ignore[no-untyped-call]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 

@@ -79,7 +79,9 @@ def _prune_never_runs(*a: Any, **kw: Any) -> Any:
 
 
 @pytest.fixture(scope="module", params=sorted(BUDGETS))
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     budget = BUDGETS[request.param]
     base = tmp_path_factory.mktemp(request.param)
     with pytest.MonkeyPatch.context() as mp:
@@ -100,14 +102,14 @@ def _by_name(run: Run) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("how", ["fresh", "resumed"])
-def test_the_prune_decision_is_the_forced_one(runs: dict, how: str) -> None:
+def test_the_prune_decision_is_the_forced_one(runs: dict[str, Any], how: str) -> None:
     prune = _by_name(runs[how])["prune"]
     assert prune.accepted is (runs["expect"] == "accepted"), prune.reason
     assert prune.meta["macs"]["removed"] >= 0.6  # it really pruned
 
 
 @pytest.mark.parametrize("how", ["fresh", "resumed"])
-def test_fp32_torch_still_matches_the_reference_outputs(runs: dict, how: str) -> None:
+def test_fp32_torch_still_matches_the_reference_outputs(runs: dict[str, Any], how: str) -> None:
     run = runs[how]
     fp32 = _by_name(run)["fp32-torch"].measurement
     assert fp32["fidelity"]["cosine_min"] == pytest.approx(1.0, abs=1e-6)
@@ -116,7 +118,7 @@ def test_fp32_torch_still_matches_the_reference_outputs(runs: dict, how: str) ->
 
 
 @pytest.mark.parametrize("how", ["fresh", "resumed"])
-def test_the_cached_module_is_bitwise_as_the_task_built_it(runs: dict, how: str) -> None:
+def test_the_cached_module_is_bitwise_as_the_task_built_it(runs: dict[str, Any], how: str) -> None:
     run = runs[how]
     task_module = run.task.module
     cached = task_module._CACHED
@@ -134,7 +136,7 @@ def test_the_cached_module_is_bitwise_as_the_task_built_it(runs: dict, how: str)
 
 
 @pytest.mark.parametrize("how", ["fresh", "resumed"])
-def test_every_figure_equals_a_run_on_fresh_modules(runs: dict, how: str) -> None:
+def test_every_figure_equals_a_run_on_fresh_modules(runs: dict[str, Any], how: str) -> None:
     got, want = _by_name(runs[how]), _by_name(runs["control"])
     assert list(got) == list(want) == ["fp32-torch", "fp32-onnx", "prune", "graph"]
     for name, cand in want.items():
@@ -148,6 +150,7 @@ def test_a_sweep_worker_prunes_a_copy_of_the_tasks_module() -> None:
     """What a process-pool or Ray worker does: the task loaded again, its model() pruned to the
     input model's shape; the task's own module must stay whole."""
     task = load_task(str(TASK))
+    assert task.model is not None
     example = task.sample_inputs(2)
     history = [["conv", True, list(range(16))]]
     pruned = apply_history(copy.deepcopy(task.model()), to_tensors(example), history)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ class Mlp(nn.Module):
         self.h2 = nn.Linear(64, 64)
         self.out = nn.Linear(64, 8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         return self.out(torch.relu(self.h2(torch.relu(self.h1(torch.relu(self.inp(x)))))))
 
 
@@ -33,7 +35,7 @@ def setup() -> tuple[PruneGraph, CostModel]:
     return g, CostModel(g)
 
 
-def _table(g: PruneGraph, drop_per_ratio: dict[str, float]) -> dict:
+def _table(g: PruneGraph, drop_per_ratio: dict[str, float]) -> dict[str, Any]:
     """A synthetic sensitivity table: metric falls linearly with the ratio, at per-group slopes."""
     groups = {}
     for name, grp in g.groups.items():

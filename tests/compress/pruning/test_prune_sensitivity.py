@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def _setup(
     return graph, order, Evaluator(graph.model, task, limit, graph.example), spec
 
 
-def _sweep(task: Task, **kw: object) -> dict:
+def _sweep(task: Task, **kw: object) -> dict[str, Any]:
     graph, order, ev, spec = _setup(task)
     opts = {
         "ratios": RATIOS,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from slimline.compress.pruning.sensitivity import Job, SweepSpec, _ray
+from slimline.compress.pruning.sensitivity import Job, SweepEstimate, SweepSpec, _ray
 from slimline.task import Task
 
 pytestmark = pytest.mark.ray
@@ -36,7 +36,7 @@ def test_a_failing_ray_sweep_still_kills_its_actors(
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with pytest.raises(Exception, match="no_such_layer"):  # a job fails inside an actor
-            _ray(spec, jobs, "auto", lambda _: None)
+            _ray(spec, jobs, "auto", SweepEstimate(len(jobs), 2, backend="ray", hint=""))
         assert ray.is_initialized()  # the caller's own connection is left alone
         deadline = time.monotonic() + 30
         while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:

@@ -9,9 +9,10 @@ import pytest
 
 from slimline.cache import StepCache
 from slimline.candidate import Candidate
+from slimline.compress.finetune import distill
 from slimline.compress.pruning import planning
 from slimline.compress.pruning import rounds as prune_rounds
-from slimline.compress.pruning import step as prune_mod
+from slimline.compress.pruning.graph import PruneGraph
 from slimline.compress.pruning.step import PruneConfig, prune_step, restore_pruned
 from slimline.errors import DataError, RecipeError, StepError
 from slimline.measure.runners import OrtRunner, TorchRunner
@@ -118,7 +119,7 @@ def test_a_killed_run_resumes_from_the_last_finished_round(
     digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    real = prune_rounds.distill
+    real = distill
 
     def dies_in_round_2(*a: Any, **kw: Any) -> Any:
         calls.append(kw["desc"])
@@ -131,9 +132,12 @@ def test_a_killed_run_resumes_from_the_last_finished_round(
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
     calls.clear()
-    monkeypatch.setattr(
-        prune_rounds, "distill", lambda *a, **kw: calls.append(kw["desc"]) or real(*a, **kw)
-    )
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(kw["desc"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prune_rounds, "distill", counted)
     cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
     assert cand.meta["resumed_after_round"] == 1
     assert calls == ["prune round 2/3", "prune round 3/3"]
@@ -147,7 +151,7 @@ def test_a_run_killed_while_recovering_continues_inside_the_round(
     """Killed after round 2 pruned and saved its first recovery checkpoint: the next run takes
     round 2's shape from the checkpoint, continues its recovery at step 15 of 30 (round 2 is
     neither pruned again nor restarted) and finishes round 3."""
-    real = prune_rounds.distill
+    real = distill
 
     class Dies:
         def __init__(self, inner: Any) -> None:
@@ -170,14 +174,14 @@ def test_a_run_killed_while_recovering_continues_inside_the_round(
     with pytest.raises(KeyboardInterrupt):
         prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "a"))
     pruned_again: list[str] = []
-    real_prune_to = prune_mod.PruneGraph.prune_to
+    real_prune_to = PruneGraph.prune_to
 
     def prune_to(self: Any, name: str, keep: int, importance: Any) -> int:
         pruned_again.append(name)
         return real_prune_to(self, name, keep, importance)
 
     monkeypatch.setattr(prune_rounds, "distill", real)
-    monkeypatch.setattr(prune_mod.PruneGraph, "prune_to", prune_to)
+    monkeypatch.setattr(PruneGraph, "prune_to", prune_to)
     cand = prune_step(cfg, _fp32(digits), make_context(digits, tmp_path / "b"))
     rounds = cand.meta["rounds"]
     assert cand.meta["resumed_after_round"] == 1 and [r["round"] for r in rounds] == [1, 2, 3]

@@ -5,6 +5,7 @@ unpruned model scores 1.0 and a pruned one less."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cache
 
 import numpy as np
@@ -55,12 +56,12 @@ def _batch(seed: int, n: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids * mask, "attention_mask": mask}
 
 
-def calibration_data():
+def calibration_data() -> Iterator[dict[str, np.ndarray]]:
     for i in range(8):
         yield _batch(i, 8)
 
 
-def eval_data():
+def eval_data() -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
     m = model()
     for i in range(2):
         x = _batch(100 + i, 8)

@@ -67,7 +67,7 @@ def test_a_falling_loss_leaves_batchnorm_training_until_its_step() -> None:
     cfg = QatConfig(freeze_bn_after=10, freeze_bn_on_oscillation=6)
     hooks, student = QatHooks(cfg), _student()
     _feed(hooks, student, FALLING_NOISY)
-    assert hooks.bn_frozen_at is None and not _bn_frozen(student)
+    assert (hooks.bn_frozen_at, _bn_frozen(student)) == (None, False)
     _feed(hooks, student, [0.8, 0.7, 0.6], start=9)
     assert (hooks.bn_frozen_at, hooks.bn_trigger) == (10, "steps") and _bn_frozen(student)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.cpu_kinds import skip_8bit_weights_where_they_saturate
+from fixtures.int8_kinds import skip_8bit_weights_where_they_saturate
 from slimline import api
 from slimline.compress.finetune import FileCheckpoint, FinetuneConfig, distill
 from slimline.compress.pruning.step import PruneConfig
@@ -56,6 +56,7 @@ def _tiny() -> nn.Module:
     with torch.no_grad():  # BatchNorm statistics that are not the identity
         for m in net.modules():
             if isinstance(m, nn.BatchNorm2d):
+                assert m.running_mean is not None and m.running_var is not None
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
                 m.weight.uniform_(0.5, 1.5)
@@ -226,7 +227,7 @@ def test_qat_and_fallback_configs_round_trip() -> None:
     assert (partial.steps, partial.lr_scale, partial.eval_every) == (10, 0.01, 25)
     assert qat.finetune.lr_scale == 0.01  # QAT's default: 0.01x the training learning rate
     with pytest.raises(ValueError, match="fallback"):
-        QuantizeConfig(fallback="retrain")  # type: ignore[arg-type]
+        QuantizeConfig(fallback="retrain")
 
 
 def test_qat_step_on_a_real_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,7 +288,7 @@ def test_quantize_falls_back_to_qat_when_ptq_is_not_good_enough(
     chosen: Any = SimpleNamespace(
         budget_ok=budget_ok, budget_reason="cosine 0.97 < 0.99", kernels={"int8_share": int8_share}
     )
-    why = why_qat(QuantizeConfig(fallback="qat", max_float_share=0.5), chosen, record)
+    why = why_qat(QuantizeConfig(fallback="qat", max_float_share=0.5), chosen, record)  # type: ignore[arg-type]
     assert why == expected if expected is None else expected in (why or "")
 
 

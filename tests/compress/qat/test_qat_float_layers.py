@@ -113,6 +113,7 @@ def test_a_batchnorm_after_a_float_layer_freezes_with_the_others() -> None:
     ]
     assert len(plain) == 1  # not fused: its convolution stays float (dw's is fused)
     bn = plain[0]
+    assert bn.running_mean is not None
     mean = bn.running_mean.clone()
     x = torch.from_numpy(batches[1]["x"])
     want = _out(student.eval(), batches[1]["x"])

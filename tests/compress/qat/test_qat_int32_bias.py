@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
-from fixtures.cpu_kinds import skip_8bit_weights_where_they_saturate
+from fixtures.int8_kinds import skip_8bit_weights_where_they_saturate
 from slimline.compress.qat import fakequant as fq
 from slimline.compress.qat._modules import bias_rounding
 from slimline.compress.qat.qdq import fold_constant_quantizers
@@ -31,7 +32,7 @@ def _wide(n: int = 4, rows: int = 8) -> list[dict[str, np.ndarray]]:
     return [{"x": (rng.normal(size=(rows, 1, 8, 8)) * 40).astype(np.float32)} for _ in range(n)]
 
 
-def _student(reduce_range: bool | None = None) -> torch.nn.Module:
+def _student(reduce_range: bool | None = None) -> Any:
     """The tiny CNN, fake-quantized in ``reduce_range``'s weight format (the CPU's own format
     when None), calibrated on wide inputs and frozen."""
     net = _tiny()

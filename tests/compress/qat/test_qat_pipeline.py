@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from slimline.compress.qat import step as qat_step
+from slimline.compress.qat import fakequant as fq
 from slimline.pipeline import run_recipe
 from slimline.recipe import recipe_from_dict
 
@@ -29,14 +29,14 @@ class _Unexportable(nn.Module):
 
 
 def test_a_failed_qat_export_rejects_the_step_and_the_run_completes(
-    tiny_recipe: dict, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = qat_step.fq.export_module_for
+    real = fq.export_module_for
 
     def broken(model: Any) -> Any:
         return _Unexportable(real(model))
 
-    monkeypatch.setattr(qat_step.fq, "export_module_for", broken)
+    monkeypatch.setattr(fq, "export_module_for", broken)
     tiny_recipe["steps"] = [
         "export",
         {

@@ -163,7 +163,7 @@ def test_range_options_round_trip_and_are_validated() -> None:
     qat = rec.step_config(QatConfig)
     assert (qat.calibration, qat.learn_ranges, qat.range_lr) == ("entropy", True, 0.01)
     with pytest.raises(ValueError, match="calibration"):
-        QatConfig(calibration="kl")  # type: ignore[arg-type]
+        QatConfig(calibration="kl")
 
 
 def test_learned_weight_ranges_train_and_export_as_int8(tmp_path: Path) -> None:

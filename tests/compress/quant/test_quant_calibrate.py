@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -46,8 +47,8 @@ def test_rebatch_cuts_and_merges_rows_up_to_the_limit() -> None:
 
 
 def test_minmax_ranges_are_exact_and_chunking_does_not_change_them(
-    prepared, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+    prepared: Any, tmp_path: Path
+) -> None:
     data = list(batches(cnn_inputs, 3, 8))
     big = calibrate(
         prepared.path, data, tmp_path / "a", samples=24, methods={"minmax", "percentile"}
@@ -140,8 +141,8 @@ def _spiky(seed: int, n: int) -> dict[str, np.ndarray]:
 
 
 def test_distribution_analysis_recommends_percentile_for_heavy_outliers(
-    prepared, tmp_path: Path
-) -> None:  # type: ignore[no-untyped-def]
+    prepared: Any, tmp_path: Path
+) -> None:
     w = weight_stats(prepared.path, prepared.compute_nodes)
     assert len(w) == len(prepared.compute_nodes)
     clean = calibrate(

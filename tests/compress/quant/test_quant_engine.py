@@ -67,7 +67,7 @@ def test_u8s8_per_channel_runs_every_quantized_conv_as_an_integer_kernel(cnn) ->
     fid = fidelity(_outputs(q, x), _outputs(prepared.path, x), logits=True)
     # 0.99 is 20 dB of output SQNR; three per-channel INT8 convolutions (7-bit weights cost at
     # most 6 dB each) leave a tiny CNN far above it: the bound catches a broken scale, not noise
-    assert fid["cosine_mean"] > 0.99
+    assert (fid["cosine_mean"] or 0.0) > 0.99
 
 
 def test_s8s8_fallback_is_detected_and_named(cnn) -> None:  # type: ignore[no-untyped-def]
@@ -134,7 +134,7 @@ def test_dynamic_quantization_of_a_transformer(encoder_onnx: Path, tmp_path: Pat
     assert report["int8_kernels"] == report["compute_kernels"]
     x = text_inputs(5, 4)
     fid = fidelity(_outputs(q, x), _outputs(encoder_onnx, x), logits=False)
-    assert fid["cosine_mean"] > 0.98
+    assert (fid["cosine_mean"] or 0.0) > 0.98
     rows = layer_errors(prepared.path, q, plan.int8_nodes, [text_inputs(9, 4)], 4)
     assert rows and all(r["sqnr_db"] is None or r["sqnr_db"] > 10 for r in rows)
 
@@ -288,4 +288,4 @@ def test_reduce_range_weights_and_int8_embedding_tables(encoder_onnx: Path, tmp_
     assert plain.stat().st_size - small.stat().st_size >= 3 * 100 * 64
     x = text_inputs(5, 4)
     fid = fidelity(_outputs(small, x), _outputs(encoder_onnx, x), logits=False)
-    assert fid["cosine_mean"] > 0.98  # the bound of the plain dynamic test above
+    assert (fid["cosine_mean"] or 0.0) > 0.98  # the bound of the plain dynamic test above

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from quant_fixtures import batches, cnn_task, make_ctx
 
-from fixtures.cpu_kinds import first_static_label
+from fixtures.int8_kinds import first_static_label
 from slimline.candidate import Candidate
 from slimline.compress.quant import auto
 from slimline.compress.quant.calibrate import _bound_bins, calibrate
@@ -135,7 +135,7 @@ def test_prepare_upgrades_opset_12_so_per_channel_models_load(tmp_path: Path) ->
 def _sabotage(match: str, how: str):  # type: ignore[no-untyped-def]
     """A ``quantize_model`` that breaks the trials whose label contains ``match``: it raises
     (``how == "raise"``), or writes a model onnx.checker rejects (``how == "invalid"``)."""
-    real = auto.quantize_model
+    real = quantize_model
 
     def fake(src: Path, dst: Path, spec: QuantSpec, *args, **kw):  # type: ignore[no-untyped-def]
         if match not in spec.label:

@@ -138,7 +138,7 @@ def test_compute_ops_ptq_quantizes_around_compute_nodes_only(
     rr = detect_cpu().u8s8_saturates
     out = {}
     for ops in ("all", "compute"):
-        spec = QuantSpec("static", reduce_range=rr, ops=ops)  # type: ignore[arg-type]
+        spec = QuantSpec("static", reduce_range=rr, ops=ops)
         q = quantize_model(prepared.path, tmp_path / f"{ops}.onnx", spec, [], calib.caches)
         graph = onnx.load(str(q)).graph
         producer = {o: n for n in graph.node for o in n.output}

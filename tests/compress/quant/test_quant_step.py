@@ -227,8 +227,8 @@ def test_mixed_precision_keeps_the_worst_ranked_node_in_float(
     from slimline.report.quantization import _precision
 
     html = _precision(
-        {"precision_map": best.plan.to_dict(), "search": {"mixed_precision": s.mixed_trace}}
-    )  # type: ignore[typeddict-item]
+        {"precision_map": best.plan.to_dict(), "search": {"mixed_precision": s.mixed_trace}}  # type: ignore[typeddict-item]
+    )
     assert "Output impact" in html and "/c2/Conv" in html and "impact:" not in html
 
 
@@ -293,7 +293,7 @@ def test_out_of_range_serving_inputs_warn_only_where_the_chosen_model_uses_the_r
     quantizes with those ranges (warn, naming its tensors); a dynamic one computes its ranges per
     input (record it, no warning)."""
     ctx = make_ctx(cnn_task(cnn_onnx, eval_scale=4.0), cnn_onnx, tmp_path / "w", {"min_cosine": 0})
-    out = quantize_step(QuantizeConfig(mode=mode, samples=64), _input(cnn_onnx), ctx)  # type: ignore[arg-type]
+    out = quantize_step(QuantizeConfig(mode=mode, samples=64), _input(cnn_onnx), ctx)
     rep = out.meta["representativeness"]
     assert rep["flagged"], "4x inputs must leave the calibrated ranges"
     warned = [w for w in ctx.warnings if "exceed the calibrated ranges" in w]
