@@ -35,7 +35,13 @@ from .model import (
     TensorSpec,
     load_served_models,
 )
-from .server import run_in_subprocess, run_in_thread, serve_forever
+from .server import (
+    ServerHandle,
+    run_in_subprocess,
+    run_in_thread,
+    serve_forever,
+    serve_in_thread,
+)
 
 __all__ = [
     "TIMEOUT_HEADER",
@@ -46,10 +52,12 @@ __all__ = [
     "OrtBackend",
     "ServeSettings",
     "ServedModel",
+    "ServerHandle",
     "TensorSpec",
     "build_app",
     "load_served_models",
     "run_in_subprocess",
     "run_in_thread",
     "serve_forever",
+    "serve_in_thread",
 ]

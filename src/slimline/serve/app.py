@@ -44,6 +44,7 @@ from .metrics import ModelObserver, ServeMetrics
 from .model import ModelInputError, ServedModel
 from .protocol import (
     HEADER_LENGTH,
+    InferRequest,
     ProtocolError,
     check_requested_outputs,
     decode_body,
@@ -84,6 +85,9 @@ class ServeSettings(Config):
     allow_nonfinite: bool = False
     drain_timeout_s: float = Field(30.0, gt=0.0)
     processing_threads: int = Field(2, ge=1, le=64, description="pool for pre/post-processing")
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="also serve the protocol over gRPC here (0: any port)"
+    )
 
 
 class ServerState:
@@ -100,6 +104,8 @@ class ServerState:
         self.draining = False
         self.processing = ThreadPoolExecutor(settings.processing_threads, "pre-post")
         self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
+        self.grpc: Any = None  # a grpc_server.GrpcFrontEnd once started
+        self.repository: Any = None  # a repository.Repository when serving one
         self._warmup: asyncio.Task[None] | None = None
 
     @property
@@ -132,6 +138,30 @@ class ServerState:
         dead = batcher is not None and batcher.failure is not None
         return name in self.warm and not self.draining and not dead
 
+    def extensions(self) -> list[str]:
+        """Protocol extensions beyond binary tensors (the model repository, when served)."""
+        return ["model_repository"] if self.repository is not None else []
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """The v2 repository index: one entry per model version, with its state and reason."""
+        if self.repository is not None:
+            return list(self.repository.index(ready_only))
+        return [
+            {"name": m.name, "version": m.version, "state": "READY", "reason": ""}
+            for m in self.models.values()
+            if self.model_ready(m.name) or not ready_only
+        ]
+
+    async def repository_action(self, action: str, name: str) -> None:
+        """``load`` or ``unload`` a model of the repository (a ProtocolError when refused)."""
+        if self.repository is None:
+            raise ProtocolError(
+                f"this server has no model repository, so it cannot {action} {name!r}; start it "
+                "with --repository DIR",
+                501,
+            )
+        await self.repository.act(action, name)
+
     async def start(self) -> None:
         for name, model in self.models.items():
             cfg = self.settings.batching
@@ -146,6 +176,11 @@ class ServerState:
             self.batchers[name] = batcher
             if model.cascade is not None:
                 await model.cascade.start(self.metrics.registry, name)
+        if self.settings.grpc_port is not None:
+            from .grpc_server import GrpcFrontEnd  # grpcio loads only when asked for
+
+            self.grpc = GrpcFrontEnd(self)
+            await self.grpc.start(self.settings.host, self.settings.grpc_port)
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
 
     async def _warm_up(self) -> None:
@@ -181,7 +216,10 @@ class ServerState:
         self.draining = True
         if self._warmup is not None and not self._warmup.done():
             self._warmup.cancel()
-        await asyncio.gather(*(b.close(drain=True) for b in self.batchers.values()))
+        closing = [b.close(drain=True) for b in self.batchers.values()]
+        if self.grpc is not None:  # in-flight calls finish while the queues drain
+            closing.append(self.grpc.stop(self.settings.drain_timeout_s))
+        await asyncio.gather(*closing)
         for model in self.models.values():
             if model.cascade is not None:
                 await model.cascade.close()
@@ -341,16 +379,24 @@ def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
 def _lookup(
     state: ServerState, name: str, version: str | None
 ) -> tuple[ServedModel | None, Response | None]:
+    try:
+        return find_model(state, name, version), None
+    except ProtocolError as err:
+        return None, _error(str(err), err.status)
+
+
+def find_model(state: ServerState, name: str, version: str | None) -> ServedModel:
+    """The model served as ``name`` (at ``version``, when given); a 404 ProtocolError if none."""
     model = state.models.get(name)
     if model is None:
         served = ", ".join(sorted(state.models))
-        return None, _error(f"unknown model {name!r}; this server serves: {served}", 404)
+        raise ProtocolError(f"unknown model {name!r}; this server serves: {served}", 404)
     if version is not None and version != model.version:
-        return None, _error(
+        raise ProtocolError(
             f"model {name!r} has no version {version!r}; the served version is {model.version!r}",
             404,
         )
-    return model, None
+    return model
 
 
 # -- the infer hot path ------------------------------------------------------------------
@@ -480,29 +526,33 @@ async def _answer(state: ServerState, model: ServedModel, call: _Call) -> tuple[
     """The response and its outcome label; every failure mode maps to one status here."""
     try:
         return await _run_request(state, model, call), "ok"
-    except ProtocolError as err:
-        return _error(str(err), err.status), "bad_request"
-    except InvalidRequest as err:
-        return _error(str(err), 400), "bad_request"
-    except (QueueFull, ShuttingDown) as err:
-        return _error(str(err), 503, {"Retry-After": "1"}), "rejected"
-    except BatcherStopped as err:
+    except Exception as err:
+        status, outcome, message = classify_error(err, model)
+        headers = {"Retry-After": "1"} if outcome == "rejected" else None
+        return _error(message, status, headers), outcome
+
+
+def classify_error(err: Exception, model: ServedModel) -> tuple[int, str, str]:
+    """``(HTTP status, outcome label, message)`` of a failed request: the one mapping both
+    protocols use (gRPC turns the HTTP status into its own code)."""
+    if isinstance(err, ProtocolError):
+        return err.status, "bad_request", str(err)
+    if isinstance(err, InvalidRequest):
+        return 400, "bad_request", str(err)
+    if isinstance(err, QueueFull | ShuttingDown):
+        return 503, "rejected", str(err)
+    if isinstance(err, BatcherStopped):
         log.error("%s", err)
-        return _error(str(err), 503), "error"
-    except DeadlineExceeded as err:
-        return _error(str(err), 504), "timeout"
-    except InferenceFailed as err:
+        return 503, "error", str(err)
+    if isinstance(err, DeadlineExceeded):
+        return 504, "timeout", str(err)
+    if isinstance(err, InferenceFailed):
         if isinstance(err.__cause__, ModelInputError):
-            return _error(f"model {model.name!r} rejected the inputs: {err.__cause__}", 400), (
-                "bad_request"
-            )
+            return 400, "bad_request", f"model {model.name!r} rejected the inputs: {err.__cause__}"
         log.error("%s", err)
-        return _error(str(err), 500), "error"
-    except Exception:
-        log.exception("unexpected failure serving model %s", model.name)
-        return _error(f"internal error serving model {model.name!r}; see the server log", 500), (
-            "error"
-        )
+        return 500, "error", str(err)
+    log.error("unexpected failure serving model %s", model.name, exc_info=err)
+    return 500, "error", f"internal error serving model {model.name!r}; see the server log"
 
 
 async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> Response:
@@ -516,6 +566,24 @@ async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> R
         req = await _in_pool(state, lambda b: parse_infer_request(b, header_length), body)
     else:
         req = parse_infer_request(body, header_length)
+    outputs, parameters = await infer_tensors(state, model, req, timeout_s)
+    if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
+        body_out, headers = await _in_pool(
+            state, lambda o: encode_response(model, req, o, parameters), outputs
+        )
+    else:
+        body_out, headers = encode_response(model, req, outputs, parameters)
+    return Response(body_out, 200, headers=headers)
+
+
+async def infer_tensors(
+    state: ServerState, model: ServedModel, req: InferRequest, timeout_s: float | None
+) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    """Run a decoded request through pre-processing, validation, the batcher, the cascade and
+    post-processing: the part of a request both protocols share. ``timeout_s`` (a header's or
+    a gRPC deadline's) wins over the request's own ``timeout`` parameter."""
+    settings = state.settings
+    batcher = state.batchers[model.name]
     check_requested_outputs(model, req)
     inputs = req.inputs
     if model.preprocess is not None:
@@ -540,13 +608,7 @@ async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> R
         outputs, parameters = await model.cascade.refine(inputs, outputs)
     if model.postprocess is not None:
         outputs = await _in_pool(state, model.postprocess, outputs)
-    if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
-        body_out, headers = await _in_pool(
-            state, lambda o: encode_response(model, req, o, parameters), outputs
-        )
-    else:
-        body_out, headers = encode_response(model, req, outputs, parameters)
-    return Response(body_out, 200, headers=headers)
+    return outputs, parameters
 
 
 async def _in_pool(state: ServerState, fn: Callable[[Any], Any], arg: Any) -> Any:

@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the Open Inference Protocol over gRPC on this port (Triton's "
+                   "default is 8001; 0: any free port)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="rows per batch")
     p.add_argument("--max-queue-delay-ms", type=float, default=d.max_queue_delay_ms,
                    help="longest wait for a batch to fill")  # fmt: skip
@@ -93,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         return ServeSettings(
             host=args.host,
             port=args.port,
+            grpc_port=args.grpc_port,
             batching=batching,
             threads=args.threads or default_threads(args.instances),
             ort_spinning=args.ort_spinning,
@@ -161,6 +165,8 @@ def _check_backend(args: argparse.Namespace) -> None:
         raise ServeError("--cascade runs with --backend local; drop --backend ray")
     if args.backend == "local" and args.replicas != 1:
         raise ServeError("--replicas needs --backend ray; add it or drop --replicas")
+    if args.backend == "ray" and args.grpc_port is not None:
+        raise ServeError("--grpc-port runs with --backend local; drop --backend ray")
     if args.backend == "ray" and args.port == 0:
         raise ServeError("--backend ray needs a fixed --port (Ray's proxy cannot pick one)")
 
