@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,14 @@ from .batcher import (
 )
 from .metrics import ModelObserver, ServeMetrics
 from .model import ModelInputError, ServedModel
+from .monitor import (
+    ModelMonitor,
+    MonitorMetrics,
+    count_warnings,
+    find_reference,
+    float_fallbacks,
+    references_for,
+)
 from .protocol import (
     HEADER_LENGTH,
     InferRequest,
@@ -85,6 +94,9 @@ class ServeSettings(Config):
     allow_nonfinite: bool = False
     drain_timeout_s: float = Field(30.0, gt=0.0)
     processing_threads: int = Field(2, ge=1, le=64, description="pool for pre/post-processing")
+    drift_window: int = Field(
+        1000, ge=10, le=1_000_000, description="live rows the drift score compares"
+    )
     grpc_port: int | None = Field(
         None, ge=0, le=65535, description="also serve the protocol over gRPC here (0: any port)"
     )
@@ -97,6 +109,8 @@ class ServerState:
         self.settings = settings
         self.models = {m.name: m for m in models}
         self.metrics = ServeMetrics(settings.batching.max_batch_size)
+        self.monitor_metrics = MonitorMetrics(self.metrics.registry)
+        self.monitors: dict[str, ModelMonitor] = {}
         self.batchers: dict[str, DynamicBatcher] = {}
         self.observers: dict[str, ModelObserver] = {}
         self.warm: set[str] = set()
@@ -169,9 +183,9 @@ class ServerState:
             if fixed is not None:
                 cfg = cfg.model_copy(update={"max_batch_size": fixed})
             observer = self.observers[name] = self.metrics.add_model(name)
-            batcher = DynamicBatcher(
-                model.backend.run, cfg, stack=fixed is None, observer=observer, name=name
-            )
+            monitor = self.monitors[name] = self._monitor(model)
+            run = count_warnings(model.backend.run, monitor)
+            batcher = DynamicBatcher(run, cfg, stack=fixed is None, observer=observer, name=name)
             batcher.start()
             self.batchers[name] = batcher
             if model.cascade is not None:
@@ -182,6 +196,15 @@ class ServerState:
             self.grpc = GrpcFrontEnd(self)
             await self.grpc.start(self.settings.host, self.settings.grpc_port)
         self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
+
+    def _monitor(self, model: ServedModel) -> ModelMonitor:
+        outputs = [o.name for o in model.backend.outputs]
+        primary = outputs[0] if model.meta.get("output_kind") == "logits" else None
+        path = model.meta.get("monitor_reference") or find_reference(model.source)
+        refs = references_for(None if path is None else Path(path), outputs, primary)
+        return self.monitor_metrics.add_model(
+            model.name, model.version, outputs, refs, self.settings.drift_window
+        )
 
     async def _warm_up(self) -> None:
         loop = asyncio.get_running_loop()
@@ -203,6 +226,24 @@ class ServerState:
                 return
             self.warm.add(name)
             log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())
+        for name, model in self.models.items():
+            await self._count_fallbacks(name, model)
+
+    async def _count_fallbacks(self, name: str, model: ServedModel) -> None:
+        """Count the quantized ops ONNX Runtime runs as float kernels (kind ``float_fallback``);
+        after warm-up, so readiness never waits for it."""
+        path = getattr(model.backend, "path", None)
+        if path is None or model.meta.get("runtime", "onnxruntime") != "onnxruntime":
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            fallback = await loop.run_in_executor(self.processing, float_fallbacks, Path(path))
+        except Exception as err:  # a report, not a reason to stop serving
+            log.warning("could not inspect the kernels of model %s: %s", name, err)
+            return
+        if fallback:
+            self.monitors[name].warning("float_fallback", fallback)
+            log.warning("model %s: %d quantized ops run as float kernels", name, fallback)
 
     async def warmed(self) -> None:
         """Wait for warm-up; raises if it failed."""
@@ -594,14 +635,20 @@ async def infer_tensors(
                 f"model {model.name!r}: pre-processing rejected the request ({err!r}); check "
                 "the inputs"
             ) from None
-    validate_inputs(
-        model,
-        inputs,
-        max_batch=batcher.config.max_batch_size,
-        allow_nonfinite=settings.allow_nonfinite,
-    )
+    monitor = state.monitors[model.name]
+    try:
+        validate_inputs(
+            model,
+            inputs,
+            max_batch=batcher.config.max_batch_size,
+            allow_nonfinite=settings.allow_nonfinite,
+        )
+    except ProtocolError:
+        monitor.invalid_rows(_rows(model, inputs))
+        raise
     edge_started = time.perf_counter()
     outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
+    monitor.observe(outputs)
     parameters = None
     if model.cascade is not None:
         model.cascade.observe_edge(time.perf_counter() - edge_started)
@@ -609,6 +656,14 @@ async def infer_tensors(
     if model.postprocess is not None:
         outputs = await _in_pool(state, model.postprocess, outputs)
     return outputs, parameters
+
+
+def _rows(model: ServedModel, inputs: dict[str, np.ndarray]) -> int:
+    """Rows a request carries: its batch dimension for a batchable model, else one."""
+    first = next(iter(inputs.values()), None)
+    if not model.batchable or first is None or first.ndim == 0:
+        return 1
+    return int(first.shape[0])
 
 
 async def _in_pool(state: ServerState, fn: Callable[[Any], Any], arg: Any) -> Any:
