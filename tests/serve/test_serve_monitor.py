@@ -3,6 +3,7 @@ linear classifier fitted on them), bad rows, non-finite outputs, warnings; the a
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -197,3 +198,31 @@ def test_float_fallbacks_of_a_quantized_model_are_counted(tmp_path: Path) -> Non
             assert time.monotonic() < deadline, "the fallback was never counted"
             time.sleep(0.05)
         assert _metric(handle, "slimline_runtime_warnings_total", model="qdq", **kinds) == 1.0
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "slimline-dashboard.json"
+_SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? \S+$")
+
+
+def _queries(doc: dict) -> list[str]:
+    exprs = [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in doc["templating"]["list"] if "definition" in v]
+    return exprs
+
+
+def test_every_metric_the_dashboard_queries_exists_on_a_running_server(
+    digits_server: tuple[ServerHandle, np.ndarray],
+) -> None:
+    handle, live = digits_server
+    _send(handle, live[:16])
+    text = httpx.get(handle.url + "/metrics").text
+    exposed = {m.group(1) for line in text.splitlines() if (m := _SERIES.match(line))}
+    doc = json.loads(DASHBOARD.read_text())
+    queried = {
+        name
+        for expr in _queries(doc)
+        for name in re.findall(r"\b((?:slimline|process)_[a-z_]+)\b", expr)
+    }
+    assert "slimline_prediction_drift_psi" in queried and len(queried) >= 12
+    assert queried <= exposed, queried - exposed
+    assert len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
