@@ -60,7 +60,7 @@ def _digits_model(path: Path) -> tuple[Path, np.ndarray, np.ndarray]:
     return path, x[1000:1400], x[1400:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def digits_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[ServerHandle, np.ndarray]]:
