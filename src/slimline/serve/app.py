@@ -15,42 +15,27 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
-from pydantic import Field, SecretStr
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
-from ..recipe import Config
 from .batcher import (
-    BatcherConfig,
     BatcherStopped,
     DeadlineExceeded,
-    DynamicBatcher,
     InferenceFailed,
     InvalidRequest,
     QueueFull,
     ShuttingDown,
 )
-from .metrics import ModelObserver, ServeMetrics
 from .model import ModelInputError, ServedModel
-from .monitor import (
-    ModelMonitor,
-    MonitorMetrics,
-    count_warnings,
-    find_reference,
-    float_fallbacks,
-    references_for,
-)
 from .protocol import (
     HEADER_LENGTH,
     InferRequest,
@@ -71,211 +56,21 @@ from .schema import (
     ReadyBody,
     ServerMetadata,
 )
+from .state import ServerState, ServeSettings, Slot, example_inputs
 
-__all__ = ["TIMEOUT_HEADER", "ServeSettings", "ServerState", "build_app"]
+__all__ = [
+    "TIMEOUT_HEADER",
+    "ServeSettings",
+    "ServerState",
+    "build_app",
+    "example_inputs",
+]
 
 log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 OFFLOAD_BYTES = 256 * 1024  # bodies/outputs above this are decoded/encoded off the event loop
 _ACCEPTED_TYPES = frozenset({"", "application/json", "application/octet-stream"})
-
-
-class ServeSettings(Config):
-    """Everything the server needs besides its models (the CLI builds one of these)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    batching: BatcherConfig = Field(default_factory=BatcherConfig)
-    threads: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads per batch")
-    ort_spinning: bool = Field(False, description="let idle ONNX Runtime threads spin-wait")
-    api_token: SecretStr | None = None
-    max_body_bytes: int = Field(64 << 20, ge=1024)
-    allow_nonfinite: bool = False
-    drain_timeout_s: float = Field(30.0, gt=0.0)
-    processing_threads: int = Field(2, ge=1, le=64, description="pool for pre/post-processing")
-    drift_window: int = Field(
-        1000, ge=10, le=1_000_000, description="live rows the drift score compares"
-    )
-    grpc_port: int | None = Field(
-        None, ge=0, le=65535, description="also serve the protocol over gRPC here (0: any port)"
-    )
-
-
-class ServerState:
-    """Models, their batchers and the readiness flags of one app."""
-
-    def __init__(self, models: list[ServedModel], settings: ServeSettings) -> None:
-        self.settings = settings
-        self.models = {m.name: m for m in models}
-        self.metrics = ServeMetrics(settings.batching.max_batch_size)
-        self.monitor_metrics = MonitorMetrics(self.metrics.registry)
-        self.monitors: dict[str, ModelMonitor] = {}
-        self.batchers: dict[str, DynamicBatcher] = {}
-        self.observers: dict[str, ModelObserver] = {}
-        self.warm: set[str] = set()
-        self.warmup_error: str | None = None
-        self.draining = False
-        self.processing = ThreadPoolExecutor(settings.processing_threads, "pre-post")
-        self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
-        self.grpc: Any = None  # a grpc_server.GrpcFrontEnd once started
-        self.repository: Any = None  # a repository.Repository when serving one
-        self._warmup: asyncio.Task[None] | None = None
-
-    @property
-    def ready(self) -> bool:
-        return not self.draining and len(self.warm) == len(self.models) and self.healthy
-
-    @property
-    def healthy(self) -> bool:
-        """False once a model's batcher has died: nothing can be served until a restart."""
-        return self.problem is None
-
-    @property
-    def problem(self) -> str | None:
-        """Why the server is unhealthy (failed warm-up or a dead batcher), or None."""
-        if self.warmup_error:
-            return self.warmup_error
-        for name, batcher in self.batchers.items():
-            if batcher.failure is not None:
-                return f"the batcher of model {name!r} stopped ({batcher.failure})"
-        return None
-
-    @property
-    def degraded(self) -> str | None:
-        """Why a cascade answers from its edge tier alone (its cloud is unavailable), or None."""
-        return next((m.cascade.degraded for m in self.models.values()
-                     if m.cascade is not None and m.cascade.degraded), None)  # fmt: skip
-
-    def model_ready(self, name: str) -> bool:
-        batcher = self.batchers.get(name)
-        dead = batcher is not None and batcher.failure is not None
-        return name in self.warm and not self.draining and not dead
-
-    def extensions(self) -> list[str]:
-        """Protocol extensions beyond binary tensors (the model repository, when served)."""
-        return ["model_repository"] if self.repository is not None else []
-
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
-        """The v2 repository index: one entry per model version, with its state and reason."""
-        if self.repository is not None:
-            return list(self.repository.index(ready_only))
-        return [
-            {"name": m.name, "version": m.version, "state": "READY", "reason": ""}
-            for m in self.models.values()
-            if self.model_ready(m.name) or not ready_only
-        ]
-
-    async def repository_action(self, action: str, name: str) -> None:
-        """``load`` or ``unload`` a model of the repository (a ProtocolError when refused)."""
-        if self.repository is None:
-            raise ProtocolError(
-                f"this server has no model repository, so it cannot {action} {name!r}; start it "
-                "with --repository DIR",
-                501,
-            )
-        await self.repository.act(action, name)
-
-    async def start(self) -> None:
-        for name, model in self.models.items():
-            cfg = self.settings.batching
-            fixed = model.fixed_batch()
-            if fixed is not None:
-                cfg = cfg.model_copy(update={"max_batch_size": fixed})
-            observer = self.observers[name] = self.metrics.add_model(name)
-            monitor = self.monitors[name] = self._monitor(model)
-            run = count_warnings(model.backend.run, monitor)
-            batcher = DynamicBatcher(run, cfg, stack=fixed is None, observer=observer, name=name)
-            batcher.start()
-            self.batchers[name] = batcher
-            if model.cascade is not None:
-                await model.cascade.start(self.metrics.registry, name)
-        if self.settings.grpc_port is not None:
-            from .grpc_server import GrpcFrontEnd  # grpcio loads only when asked for
-
-            self.grpc = GrpcFrontEnd(self)
-            await self.grpc.start(self.settings.host, self.settings.grpc_port)
-        self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
-
-    def _monitor(self, model: ServedModel) -> ModelMonitor:
-        outputs = [o.name for o in model.backend.outputs]
-        primary = outputs[0] if model.meta.get("output_kind") == "logits" else None
-        path = model.meta.get("monitor_reference") or find_reference(model.source)
-        refs = references_for(None if path is None else Path(path), outputs, primary)
-        return self.monitor_metrics.add_model(
-            model.name, model.version, outputs, refs, self.settings.drift_window
-        )
-
-    async def _warm_up(self) -> None:
-        loop = asyncio.get_running_loop()
-        for name, batcher in self.batchers.items():
-            model = self.models[name]
-            try:
-                for size in batcher.batch_sizes():
-                    await loop.run_in_executor(
-                        self.processing, model.backend.run, example_inputs(model, size)
-                    )
-            except Exception as err:
-                self.warmup_error = (
-                    f"warm-up of model {name!r} failed ({err}); check that the model runs "
-                    "with ONNX Runtime on this machine"
-                )
-                log.error("%s", self.warmup_error)
-                if self.on_fatal is not None:
-                    self.on_fatal()
-                return
-            self.warm.add(name)
-            log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())
-        for name, model in self.models.items():
-            await self._count_fallbacks(name, model)
-
-    async def _count_fallbacks(self, name: str, model: ServedModel) -> None:
-        """Count the quantized ops ONNX Runtime runs as float kernels (kind ``float_fallback``);
-        after warm-up, so readiness never waits for it."""
-        path = getattr(model.backend, "path", None)
-        if path is None or model.meta.get("runtime", "onnxruntime") != "onnxruntime":
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            fallback = await loop.run_in_executor(self.processing, float_fallbacks, Path(path))
-        except Exception as err:  # a report, not a reason to stop serving
-            log.warning("could not inspect the kernels of model %s: %s", name, err)
-            return
-        if fallback:
-            self.monitors[name].warning("float_fallback", fallback)
-            log.warning("model %s: %d quantized ops run as float kernels", name, fallback)
-
-    async def warmed(self) -> None:
-        """Wait for warm-up; raises if it failed."""
-        if self._warmup is not None:
-            await asyncio.shield(self._warmup)
-        if self.warmup_error:
-            raise RuntimeError(self.warmup_error)
-
-    async def stop(self) -> None:
-        """Refuse new work, answer everything queued, then release the pools."""
-        self.draining = True
-        if self._warmup is not None and not self._warmup.done():
-            self._warmup.cancel()
-        closing = [b.close(drain=True) for b in self.batchers.values()]
-        if self.grpc is not None:  # in-flight calls finish while the queues drain
-            closing.append(self.grpc.stop(self.settings.drain_timeout_s))
-        await asyncio.gather(*closing)
-        for model in self.models.values():
-            if model.cascade is not None:
-                await model.cascade.close()
-        self.processing.shutdown(wait=True)
-
-
-def example_inputs(model: ServedModel, batch: int) -> dict[str, np.ndarray]:
-    """Ones of each input's dtype; ``batch`` rows; free non-batch dimensions set to 1."""
-    out = {}
-    for spec in model.backend.inputs:
-        dims = [d if d is not None else 1 for d in spec.shape]
-        if model.batchable:
-            dims[0] = batch
-        out[spec.name] = np.ones(dims, dtype=spec.dtype)
-    return out
 
 
 # -- the app ------------------------------------------------------------------------------
@@ -288,9 +83,14 @@ def build_app(
     wait for warm-up (for hosts such as Ray Serve that route traffic once start-up returns).
     """
     settings = settings or ServeSettings()
-    if not models:
-        raise ValueError("build_app needs at least one model")
+    if not models and settings.repository is None:
+        raise ValueError("build_app needs at least one model (or a model repository)")
     state = ServerState(models, settings)
+    if settings.repository is not None:
+        from .repository import Repository
+
+        state.repository = Repository(state, settings.repository, settings.version_policy,
+                                      gate=settings.gate)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -313,6 +113,7 @@ def build_app(
     app.state.slimline = state
     _add_health_routes(app, state)
     _add_model_routes(app, state)
+    _add_repository_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if settings.api_token is not None:
         app.add_middleware(BearerAuth, token=settings.api_token.get_secret_value())
@@ -331,7 +132,8 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
 def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2", response_model=ServerMetadata, tags=["server"])
     async def server_metadata() -> Response:
-        doc = {"name": "slimline", "version": __version__, "extensions": ["binary_tensor_data"]}
+        extensions = ["binary_tensor_data", *state.extensions()]
+        doc = {"name": "slimline", "version": __version__, "extensions": extensions}
         return _json(doc)
 
     @app.get(
@@ -353,6 +155,8 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
         doc: dict[str, Any] = {"ready": state.ready}
         if state.degraded:
             doc.update(degraded=True, reason=state.degraded)
+        if state.unavailable():  # repository versions that failed to load, with the reason
+            doc["unavailable"] = state.unavailable()
         return _json(doc, 200 if state.ready else 503)
 
     @app.get("/metrics", tags=["server"], response_class=Response)
@@ -367,7 +171,7 @@ def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
 
     async def model_ready(name: str, version: str | None = None) -> Response:
         _, problem = _lookup(state, name, version)
-        ok = problem is None and state.model_ready(name)
+        ok = problem is None and state.model_ready(name, version)
         return problem or _json({"ready": ok}, 200 if ok else 503)
 
     # one handler per route shape, so the OpenAPI document lists exactly the path parameters
@@ -417,27 +221,55 @@ def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
         app.router.routes.insert(0, Route(prefix + "/infer", endpoint, methods=["POST"]))
 
 
+def _add_repository_routes(app: FastAPI, state: ServerState) -> None:
+    """The v2 model repository extension: the index, load and unload."""
+
+    async def index(request: Request) -> Response:
+        ready_only = False
+        if request.method == "POST":
+            body = await request.body()
+            try:
+                ready_only = bool(orjson.loads(body).get("ready", False)) if body else False
+            except (orjson.JSONDecodeError, AttributeError):
+                return _error("the index request body must be a JSON object", 400)
+        return _json(state.repository_index(ready_only))
+
+    async def act(action: str, name: str) -> Response:
+        try:
+            await state.repository_action(action, name)
+        except ProtocolError as err:
+            return _error(str(err), err.status)
+        return _json({})
+
+    async def load(name: str) -> Response:
+        return await act("load", name)
+
+    async def unload(name: str) -> Response:
+        return await act("unload", name)
+
+    errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 404, 501)}
+    app.get("/v2/repository/index", tags=["repository"], operation_id="repository_index_get")(
+        index
+    )
+    app.post("/v2/repository/index", tags=["repository"], operation_id="repository_index")(
+        index
+    )
+    app.post("/v2/repository/models/{name}/load", responses=errors, tags=["repository"])(load)
+    app.post("/v2/repository/models/{name}/unload", responses=errors, tags=["repository"])(unload)
+
+
 def _lookup(
     state: ServerState, name: str, version: str | None
 ) -> tuple[ServedModel | None, Response | None]:
     try:
-        return find_model(state, name, version), None
+        return state.find(name, version).model, None
     except ProtocolError as err:
         return None, _error(str(err), err.status)
 
 
 def find_model(state: ServerState, name: str, version: str | None) -> ServedModel:
     """The model served as ``name`` (at ``version``, when given); a 404 ProtocolError if none."""
-    model = state.models.get(name)
-    if model is None:
-        served = ", ".join(sorted(state.models))
-        raise ProtocolError(f"unknown model {name!r}; this server serves: {served}", 404)
-    if version is not None and version != model.version:
-        raise ProtocolError(
-            f"model {name!r} has no version {version!r}; the served version is {model.version!r}",
-            404,
-        )
-    return model
+    return state.find(name, version).model
 
 
 # -- the infer hot path ------------------------------------------------------------------
@@ -545,30 +377,32 @@ class _Call:
 
 # -- inference ----------------------------------------------------------------------------
 async def _infer(state: ServerState, call: _Call, name: str, version: str | None) -> Response:
-    model, problem = _lookup(state, name, version)
-    if problem is not None:
-        return problem
-    assert model is not None
+    try:
+        slot = state.find(name, version)
+    except ProtocolError as err:
+        return _error(str(err), err.status)
     started = time.perf_counter()
     series = state.observers[name]
     series.inflight.inc()
+    slot.inflight += 1  # the version stays in service until this request is answered
     outcome = "error"
     try:
-        response, outcome = await _answer(state, model, call)
+        response, outcome = await _answer(state, slot, call)
         if outcome == "ok":
             series.latency.observe(time.perf_counter() - started)
         return response
     finally:
+        slot.inflight -= 1
         series.inflight.dec()
         series.requests[outcome].inc()
 
 
-async def _answer(state: ServerState, model: ServedModel, call: _Call) -> tuple[Response, str]:
+async def _answer(state: ServerState, slot: Slot, call: _Call) -> tuple[Response, str]:
     """The response and its outcome label; every failure mode maps to one status here."""
     try:
-        return await _run_request(state, model, call), "ok"
+        return await _run_request(state, slot, call), "ok"
     except Exception as err:
-        status, outcome, message = classify_error(err, model)
+        status, outcome, message = classify_error(err, slot.model)
         headers = {"Retry-After": "1"} if outcome == "rejected" else None
         return _error(message, status, headers), outcome
 
@@ -596,10 +430,10 @@ def classify_error(err: Exception, model: ServedModel) -> tuple[int, str, str]:
     return 500, "error", f"internal error serving model {model.name!r}; see the server log"
 
 
-async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> Response:
+async def _run_request(state: ServerState, slot: Slot, call: _Call) -> Response:
     settings = state.settings
-    batcher = state.batchers[model.name]
-    batcher.check_admission()  # under overload, refuse before reading and decoding the body
+    model = slot.model
+    slot.batcher.check_admission()  # under overload, refuse before reading and decoding the body
     timeout_s = _header_timeout(call.timeout)
     body = await _read_body(call, settings.max_body_bytes)
     header_length = call.header_length
@@ -607,7 +441,7 @@ async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> R
         req = await _in_pool(state, lambda b: parse_infer_request(b, header_length), body)
     else:
         req = parse_infer_request(body, header_length)
-    outputs, parameters = await infer_tensors(state, model, req, timeout_s)
+    outputs, parameters = await infer_tensors(state, slot, req, timeout_s)
     if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
         body_out, headers = await _in_pool(
             state, lambda o: encode_response(model, req, o, parameters), outputs
@@ -618,13 +452,13 @@ async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> R
 
 
 async def infer_tensors(
-    state: ServerState, model: ServedModel, req: InferRequest, timeout_s: float | None
+    state: ServerState, slot: Slot, req: InferRequest, timeout_s: float | None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     """Run a decoded request through pre-processing, validation, the batcher, the cascade and
     post-processing: the part of a request both protocols share. ``timeout_s`` (a header's or
     a gRPC deadline's) wins over the request's own ``timeout`` parameter."""
     settings = state.settings
-    batcher = state.batchers[model.name]
+    model, batcher, monitor = slot.model, slot.batcher, slot.monitor
     check_requested_outputs(model, req)
     inputs = req.inputs
     if model.preprocess is not None:
@@ -635,7 +469,6 @@ async def infer_tensors(
                 f"model {model.name!r}: pre-processing rejected the request ({err!r}); check "
                 "the inputs"
             ) from None
-    monitor = state.monitors[model.name]
     try:
         validate_inputs(
             model,

@@ -33,8 +33,8 @@ from .proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from .protocol import NP_TO_V2, V2_TO_NP, InferRequest, ProtocolError, RequestedOutput
 
 if TYPE_CHECKING:
-    from .app import ServerState
     from .model import ServedModel
+    from .state import ServerState, Slot
 
 __all__ = ["GrpcFrontEnd", "grpc_code", "request_tensors", "response_message"]
 
@@ -230,14 +230,14 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
         await self._check_token(context)
-        model = await self._model(request.name, request.version, context)
-        return pb.ModelReadyResponse(ready=self.state.model_ready(model.name))
+        slot = await self._slot(request.name, request.version, context)
+        return pb.ModelReadyResponse(ready=self.state.model_ready(slot.model.name, slot.version))
 
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
         from .protocol import model_metadata
 
         await self._check_token(context)
-        doc = model_metadata(await self._model(request.name, request.version, context))
+        doc = model_metadata((await self._slot(request.name, request.version, context)).model)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -251,40 +251,40 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         from .app import classify_error
 
         await self._check_token(context)
-        model = await self._model(request.model_name, request.model_version, context)
-        series = self.state.observers[model.name]
+        slot = await self._slot(request.model_name, request.model_version, context)
+        series = self.state.observers[slot.model.name]
         started = time.perf_counter()
         series.inflight.inc()
+        slot.inflight += 1  # the version stays in service until this call is answered
         outcome = "error"
         try:
-            response = await self._infer(model, request, context)
+            response = await self._infer(slot, request, context)
             outcome = "ok"
             series.latency.observe(time.perf_counter() - started)
             return response
         except Exception as err:
-            status, outcome, message = classify_error(err, model)
+            status, outcome, message = classify_error(err, slot.model)
             await _abort(context, status, message)
         finally:
+            slot.inflight -= 1
             series.inflight.dec()
             series.requests[outcome].inc()
 
-    async def _infer(self, model: ServedModel, request: Any, context: Any) -> pb.ModelInferResponse:
+    async def _infer(self, slot: Slot, request: Any, context: Any) -> pb.ModelInferResponse:
         from .app import infer_tensors
 
-        self.state.batchers[model.name].check_admission()
+        slot.batcher.check_admission()
         req = request_tensors(request, self.state.settings.max_body_bytes)
         remaining = context.time_remaining()
         timeout_s = min(t for t in (remaining, req.timeout_s, math.inf) if t is not None)
         outputs, parameters = await infer_tensors(
-            self.state, model, req, None if math.isinf(timeout_s) else max(timeout_s, 1e-3)
+            self.state, slot, req, None if math.isinf(timeout_s) else max(timeout_s, 1e-3)
         )
-        return response_message(model, req, outputs, parameters)
+        return response_message(slot.model, req, outputs, parameters)
 
-    async def _model(self, name: str, version: str, context: Any) -> ServedModel:
-        from .app import find_model
-
+    async def _slot(self, name: str, version: str, context: Any) -> Slot:
         try:
-            return find_model(self.state, name, version or None)
+            return self.state.find(name, version or None)
         except ProtocolError as err:
             await _abort(context, err.status, str(err))
 
