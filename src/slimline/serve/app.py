@@ -248,12 +248,8 @@ def _add_repository_routes(app: FastAPI, state: ServerState) -> None:
         return await act("unload", name)
 
     errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 404, 501)}
-    app.get("/v2/repository/index", tags=["repository"], operation_id="repository_index_get")(
-        index
-    )
-    app.post("/v2/repository/index", tags=["repository"], operation_id="repository_index")(
-        index
-    )
+    app.get("/v2/repository/index", tags=["repository"], operation_id="repository_index_get")(index)
+    app.post("/v2/repository/index", tags=["repository"], operation_id="repository_index")(index)
     app.post("/v2/repository/models/{name}/load", responses=errors, tags=["repository"])(load)
     app.post("/v2/repository/models/{name}/unload", responses=errors, tags=["repository"])(unload)
 

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
+    from .publish import register_publish
+
+    register_publish(subparsers)
     parser = subparsers.add_parser(
         "serve",
         help="serve models over KServe v2 HTTP with dynamic batching",
@@ -38,6 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "models", nargs="*", metavar="RUN_DIR_OR_ONNX", help="run directories or .onnx files"
     )
+    p.add_argument("--repository", type=Path, default=None, metavar="DIR",
+                   help="serve a model repository: DIR/<model>/<version>/ (a run directory's "
+                   "files or one .onnx file per version); load/unload at /v2/repository")  # fmt: skip
+    p.add_argument("--version-policy", default="latest:1",
+                   help="repository versions served: latest:N (default latest:1), all, or "
+                   "specific:1,3")  # fmt: skip
+    p.add_argument("--gate", action="store_true",
+                   help="a new repository version takes traffic only if `slimline check` of its "
+                   "manifest against the serving version's passes")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=None,
@@ -97,6 +109,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
             host=args.host,
             port=args.port,
             grpc_port=args.grpc_port,
+            repository=args.repository,
+            version_policy=args.version_policy,
+            gate=args.gate,
             batching=batching,
             threads=args.threads or default_threads(args.instances),
             ort_spinning=args.ort_spinning,
@@ -159,8 +174,16 @@ def _cascade(args: argparse.Namespace, settings: ServeSettings, memory: Any) -> 
 
 
 def _check_backend(args: argparse.Namespace) -> None:
-    if not args.models and not args.cascade:
-        raise ServeError("nothing to serve; pass RUN_DIR_OR_ONNX or --cascade EDGE CLOUD")
+    if not args.models and not args.cascade and args.repository is None:
+        raise ServeError(
+            "nothing to serve; pass RUN_DIR_OR_ONNX, --repository DIR or --cascade EDGE CLOUD"
+        )
+    if args.repository is not None and args.backend == "ray":
+        raise ServeError("--repository runs with --backend local; drop --backend ray")
+    if args.repository is not None:
+        from .repository import parse_policy
+
+        parse_policy(args.version_policy)
     if args.cascade and args.backend == "ray":
         raise ServeError("--cascade runs with --backend local; drop --backend ray")
     if args.backend == "local" and args.replicas != 1:

@@ -229,9 +229,10 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
-        await self._check_token(context)
-        slot = await self._slot(request.name, request.version, context)
-        return pb.ModelReadyResponse(ready=self.state.model_ready(slot.model.name, slot.version))
+        await self._check_token(context)  # an unknown (or unloaded) model is not ready, as in HTTP
+        return pb.ModelReadyResponse(
+            ready=self.state.model_ready(request.name, request.version or None)
+        )
 
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
         from .protocol import model_metadata
