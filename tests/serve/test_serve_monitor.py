@@ -226,3 +226,50 @@ def test_every_metric_the_dashboard_queries_exists_on_a_running_server(
     assert "slimline_prediction_drift_psi" in queried and len(queried) >= 12
     assert queried <= exposed, queried - exposed
     assert len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+
+
+TASK = """
+import numpy as np
+from sklearn.datasets import load_digits
+
+def _x():
+    return (load_digits().data / 16.0).astype(np.float32)
+
+def model():
+    raise NotImplementedError("the reference only needs the evaluation data")
+
+def calibration_data():
+    return [{"x": _x()[:64]}]
+
+def eval_data():
+    x, y = _x(), load_digits().target
+    return [({"x": x[s : s + 100]}, y[s : s + 100]) for s in range(1000, 1400, 100)]
+
+def metric(outputs, labels):
+    return float((outputs.argmax(1) == labels).mean())
+"""
+
+
+def test_publish_saves_the_runs_evaluation_outputs_and_the_server_compares_with_them(
+    tmp_path: Path,
+) -> None:
+    from slimline.serve.publish import publish
+
+    run = tmp_path / "run"
+    (run / "artifacts").mkdir(parents=True)
+    _, _, live = _digits_model(run / "artifacts" / "int8.onnx")
+    (tmp_path / "digits_task.py").write_text(TASK)
+    manifest = {
+        "task": {"name": "digits", "source": str(tmp_path / "digits_task.py"), "output_kind": "logits"},
+        "selected": "int8",
+        "candidates": [{"name": "int8", "artifact": "artifacts/int8.onnx"}],
+    }  # fmt: skip
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    assert publish(run, tmp_path / "repo", "digits") == (1, [])
+    saved = np.load(tmp_path / "repo" / "digits" / "1" / "monitor_reference.npz")
+    assert saved["logits"].shape == (400, 10) and list(saved["__logits__"]) == ["logits"]
+    settings = ServeSettings(port=0, grpc_port=0, repository=tmp_path / "repo", drift_window=300)
+    with serve_in_thread([], settings) as handle:
+        _send(handle, live)
+        psi_now = _metric(handle, "slimline_prediction_drift_psi", model="digits", version="1")
+    assert psi_now < DRIFT_THRESHOLD / 2, psi_now

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from .monitor import REFERENCE_FILE
 from .repository import version_dirs
 
 __all__ = ["publish", "register_publish"]
+
+log = logging.getLogger(__name__)
 
 
 def register_publish(subparsers: Any) -> None:
@@ -36,6 +39,8 @@ def register_publish(subparsers: Any) -> None:
     p.add_argument("--repository", type=Path, required=True, metavar="DIR")
     p.add_argument("--model", required=True, help="model name in the repository")
     p.add_argument("--no-gate", action="store_true", help="publish without the check")
+    p.add_argument("--no-reference", action="store_true",
+                   help="do not save the evaluation outputs the drift monitor compares with")  # fmt: skip
     p.add_argument("--max-latency-regression", type=float, default=0.10)
     p.add_argument("--max-metric-drop", type=float, default=0.005)
     p.set_defaults(func=_cmd)
@@ -49,6 +54,7 @@ def _cmd(args: argparse.Namespace) -> int:
         gate=not args.no_gate,
         max_latency_regression=args.max_latency_regression,
         max_metric_drop=args.max_metric_drop,
+        reference=not args.no_reference,
     )
     if version is None:
         for line in regressions:
@@ -67,8 +73,11 @@ def publish(
     gate: bool = True,
     max_latency_regression: float = 0.10,
     max_metric_drop: float = 0.005,
+    reference: bool = True,
 ) -> tuple[int | None, list[str]]:
-    """``(new version, [])``, or ``(None, regression lines)`` when the gate refused the run."""
+    """``(new version, [])``, or ``(None, regression lines)`` when the gate refused the run.
+    ``reference``: first save the run's evaluation outputs for the drift monitor (when the run
+    has none and its task loads here)."""
     if not model or "/" in model or model.startswith("."):
         raise ServeError(f"model name {model!r} must be a plain folder name")
     _, artifact, _ = resolve_model_path(run_dir)  # a run directory with its artifact, or raise
@@ -80,8 +89,23 @@ def publish(
         if regressions:
             return None, regressions
     version = max(versions, default=0) + 1
+    if reference and not (run_dir / REFERENCE_FILE).is_file():
+        _write_reference(run_dir)
     _copy_version(run_dir, artifact, model_dir, version)
     return version, []
+
+
+def _write_reference(run_dir: Path) -> None:
+    """The drift monitor's reference; a run whose task cannot be loaded here is published
+    without one (its server then exports no drift score), with a warning that says so."""
+    from ..errors import SlimlineError
+    from .reference import write_monitor_reference
+
+    try:
+        write_monitor_reference(run_dir)
+    except (SlimlineError, OSError, ImportError, ValueError, KeyError) as err:
+        log.warning("no drift reference for %s (its task's evaluation data: %s); the server "
+                    "will export no drift score for this version", run_dir, err)  # fmt: skip
 
 
 def _check(run_dir: Path, latest: Path, max_latency: float, max_drop: float) -> list[str]:
