@@ -1,0 +1,117 @@
+"""gRPC against HTTP binary on one server: p99 and achieved rate per offered rate, interleaved.
+
+One ``slimline serve`` child serves the mnist example's model over HTTP and gRPC (``--grpc-port``)
+with one batcher. For each offered rate (Poisson, open loop, latency from the scheduled time) the
+load generator sends HTTP binary-tensor requests, then the same rows as gRPC ``ModelInfer`` with
+``raw_input_contents``, then again HTTP, then gRPC (A B A B), and keeps each protocol's median
+p99 per rate. The knee is the highest rate whose p99 stays within the SLO (50 ms) with under
+1% of requests failing. The generator shares the machine's cores with the server.
+
+    nice -n 10 .venv/bin/python bench/serve_grpc.py [--seconds 4] [--rates 100,200,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+from typing import Any
+
+import numpy as np
+
+from serve_common import mnist_model, payloads, save_json, summarize, write_section
+from slimline.loadtest.client import HttpClient
+from slimline.loadtest.generator import OpenPlan, execute
+from slimline.loadtest.grpc_client import GrpcClient, grpc_payloads
+from slimline.serve import run_in_subprocess
+
+SLO_MS = 50.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(
+    protocol: str, target: str, loads: list[Any], rate: float, seconds: float
+) -> dict[str, Any]:
+    rng = np.random.default_rng(int(rate))
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * seconds * 1.3)))
+    offsets = offsets[offsets < seconds + 1.0]  # one second of warm-up first
+    plan = OpenPlan(offsets, np.arange(len(offsets)) % len(loads))
+    if protocol == "grpc":
+        rec = execute(lambda: GrpcClient(target, timeout_s=30), plan, loads, connections=1)
+    else:
+        rec = execute(lambda: HttpClient(target, "mnist", timeout_s=30), plan, loads,
+                      connections=64)  # fmt: skip
+    out = summarize(rec, 1.0, seconds + 1.0)
+    out["offered_rps"] = rate
+    return out
+
+
+def _knee(rows: list[dict[str, Any]]) -> float | None:
+    good = [r["offered_rps"] for r in rows if _passes(r)]
+    return max(good) if good else None
+
+
+def _passes(r: dict[str, Any]) -> bool:
+    failed = r["requests"] - r["outcomes"]["ok"]
+    return r["p99_ms"] is not None and r["p99_ms"] <= SLO_MS and failed <= 0.01 * r["requests"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--rates", default="100,200,300,400,500,600,800")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    path, rows, note = mnist_model()
+    http_loads = payloads(rows, "binary")
+    grpc_loads = grpc_payloads(rows, "mnist", 1)[:32]
+    port = _free_port()
+    flags = ["--grpc-port", str(port), "--threads", "1", "--max-batch-size", "16",
+             "--max-queue-delay-ms", "2"]  # fmt: skip
+    results: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
+    with run_in_subprocess([path], flags) as (url, _):
+        for rate in [float(r) for r in args.rates.split(",")]:
+            runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
+            for _ in range(args.rounds):
+                runs["http"].append(_run("http", url, http_loads, rate, args.seconds))
+                runs["grpc"].append(
+                    _run("grpc", f"127.0.0.1:{port}", grpc_loads, rate, args.seconds)
+                )
+            for proto, got in runs.items():
+                merged = dict(got[-1])
+                merged["p99_ms"] = statistics.median(g["p99_ms"] or float("inf") for g in got)
+                merged["p50_ms"] = statistics.median(g["p50_ms"] or float("inf") for g in got)
+                merged["ok_rps"] = statistics.median(g["ok_rps"] for g in got)
+                results[proto].append(merged)
+            print(rate, {p: round(results[p][-1]["p99_ms"], 1) for p in results}, flush=True)
+    save_json("grpc", {"note": note, "results": results, "slo_ms": SLO_MS})
+    knees = {p: _knee(r) for p, r in results.items()}
+    lines = [
+        "## gRPC against HTTP binary (one server, one batcher)",
+        "",
+        f"mnist example model ({note}), FP32 ONNX, `--threads 1 --max-batch-size 16 "
+        f"--max-queue-delay-ms 2`; one-row requests, Poisson open loop, {args.seconds:g} s per "
+        f"step after 1 s of warm-up, {args.rounds} interleaved rounds (HTTP, gRPC, HTTP, gRPC), "
+        "medians.",
+        "",
+        "| offered req/s | HTTP binary p50 / p99 ms | gRPC p50 / p99 ms | HTTP ok/s | gRPC ok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for h, g in zip(results["http"], results["grpc"], strict=True):
+        lines.append(f"| {h['offered_rps']:.0f} | {h['p50_ms']:.1f} / {h['p99_ms']:.1f} | "
+                     f"{g['p50_ms']:.1f} / {g['p99_ms']:.1f} | {h['ok_rps']:.0f} | "
+                     f"{g['ok_rps']:.0f} |")  # fmt: skip
+    ratio = (knees["grpc"] / knees["http"]) if knees["grpc"] and knees["http"] else None
+    lines += ["", f"Knee (p99 <= {SLO_MS:g} ms, <1% failed): HTTP binary {knees['http']} req/s, "
+              f"gRPC {knees['grpc']} req/s" + (f" ({ratio:.2f}x)." if ratio else ".")]  # fmt: skip
+    lines += ["", "Reproduce: `nice -n 10 .venv/bin/python bench/serve_grpc.py`"]
+    write_section("grpc", "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
