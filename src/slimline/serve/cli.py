@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="rows per batch")
     p.add_argument("--max-queue-delay-ms", type=float, default=d.max_queue_delay_ms,
                    help="longest wait for a batch to fill")  # fmt: skip
+    p.add_argument("--fixed-delay", action="store_true",
+                   help="always wait --max-queue-delay-ms for a batch to fill (default: only while "
+                   "requests arrive at least once per window, so a lone request runs at once)")  # fmt: skip
     p.add_argument("--max-queue-size", type=int, default=d.max_queue_size,
                    help="queued requests per model; more are rejected with 503")  # fmt: skip
     p.add_argument("--timeout-ms", type=float, default=d.timeout_ms,
@@ -104,6 +107,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
             max_queue_size=args.max_queue_size,
             timeout_ms=args.timeout_ms,
             instances=args.instances,
+            adaptive_delay=not args.fixed_delay,
         )
         return ServeSettings(
             host=args.host,
