@@ -28,9 +28,17 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ServeError
+from .app import classify_error, infer_tensors
 from .proto import grpc_predict_v2_pb2 as pb
 from .proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from .protocol import NP_TO_V2, V2_TO_NP, InferRequest, ProtocolError, RequestedOutput
+from .protocol import (
+    NP_TO_V2,
+    V2_TO_NP,
+    InferRequest,
+    ProtocolError,
+    RequestedOutput,
+    model_metadata,
+)
 
 if TYPE_CHECKING:
     from .model import ServedModel
@@ -235,8 +243,6 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
-        from .protocol import model_metadata
-
         await self._check_token(context)
         doc = model_metadata((await self._slot(request.name, request.version, context)).model)
         response = pb.ModelMetadataResponse(
@@ -249,8 +255,6 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
-        from .app import classify_error
-
         await self._check_token(context)
         slot = await self._slot(request.model_name, request.model_version, context)
         series = self.state.observers[slot.model.name]
@@ -272,8 +276,6 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             series.requests[outcome].inc()
 
     async def _infer(self, slot: Slot, request: Any, context: Any) -> pb.ModelInferResponse:
-        from .app import infer_tensors
-
         slot.batcher.check_admission()
         req = request_tensors(request, self.state.settings.max_body_bytes)
         remaining = context.time_remaining()
