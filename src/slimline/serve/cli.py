@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"require Authorization: Bearer <token in this file> (or set ${TOKEN_ENV})")  # fmt: skip
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request body limit in MiB")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf inputs")
+    p.add_argument("--drift-window", type=int, default=1000,
+                   help="live prediction rows the drift score compares with the reference")  # fmt: skip
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="longest graceful drain after SIGTERM")  # fmt: skip
     p.add_argument("--backend", choices=["local", "ray"], default="local",
@@ -116,6 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
             repository=args.repository,
             version_policy=args.version_policy,
             gate=args.gate,
+            drift_window=args.drift_window,
             batching=batching,
             threads=args.threads or default_threads(args.instances),
             ort_spinning=args.ort_spinning,
