@@ -1,4 +1,5 @@
-"""Serving: KServe v2 over HTTP with dynamic batching, metrics, and Ray Serve scale-out.
+"""Serving: KServe v2 over HTTP and gRPC with dynamic batching, a versioned model repository,
+metrics, model monitoring, and Ray Serve scale-out.
 
 From the command line::
 
@@ -17,6 +18,10 @@ From Python (load tests, notebooks, other slimline commands)::
         ...
 
     app = build_app(models, settings)   # a plain ASGI app, for any ASGI server or test client
+
+    # HTTP and gRPC from one process, one batcher per model version:
+    with serve_in_thread(models, ServeSettings(port=0, grpc_port=0)) as handle:
+        ...  # handle.url, handle.grpc_target
 
 Scale-out: :func:`slimline.serve.ray.serve_on_ray` (``slimline serve --backend ray --replicas N``)
 deploys the same app, batcher and endpoints as a Ray Serve application. ``DynamicBatcher`` is

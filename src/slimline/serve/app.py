@@ -1,10 +1,14 @@
 """The HTTP server: KServe v2 endpoints over the dynamic batcher, as a FastAPI app.
 
-``build_app(models, settings)`` returns an ASGI app. Its lifespan creates one
-:class:`~slimline.serve.batcher.DynamicBatcher` per model, warms it up at the powers of two up to
-``max_batch_size`` (the server is live at once and ready after warm-up) and, at shutdown, drains
-every queue before it returns. A batcher whose collector died makes the server neither live nor
-ready, so an orchestrator restarts it.
+``build_app(models, settings)`` returns an ASGI app. Its lifespan starts the
+:class:`~slimline.serve.state.ServerState`: one :class:`~slimline.serve.batcher.DynamicBatcher`
+per model version, warmed up at the powers of two up to ``max_batch_size`` (the server is live at
+once and ready after warm-up), the gRPC front end (``grpc_port``) and the model repository
+(``repository``); at shutdown it drains every queue before it returns. A batcher whose collector
+died makes the server neither live nor ready, so an orchestrator restarts it.
+
+:func:`infer_tensors` and :func:`classify_error` are the part of a request both protocols share
+(:mod:`slimline.serve.grpc_server` is the other).
 """
 
 from __future__ import annotations
@@ -261,11 +265,6 @@ def _lookup(
         return state.find(name, version).model, None
     except ProtocolError as err:
         return None, _error(str(err), err.status)
-
-
-def find_model(state: ServerState, name: str, version: str | None) -> ServedModel:
-    """The model served as ``name`` (at ``version``, when given); a 404 ProtocolError if none."""
-    return state.find(name, version).model
 
 
 # -- the infer hot path ------------------------------------------------------------------
