@@ -67,3 +67,19 @@ def test_status_codes_map_to_the_http_outcomes(
     code: grpc.StatusCode, details: str, outcome: str
 ) -> None:
     assert outcome_of_code(code, details) == outcome
+
+
+def test_the_command_line_builds_a_grpc_config() -> None:
+    from slimline.cli import build_parser
+    from slimline.loadtest.cli import build_config
+
+    args = build_parser().parse_args(
+        ["loadtest", "http://127.0.0.1:8000", "--model", "m", "--rate", "10", "--protocol", "grpc"]
+    )
+    cfg = build_config(args)
+    assert (cfg.protocol, cfg.grpc_address) == ("grpc", "127.0.0.1:8001")
+    args = build_parser().parse_args(
+        ["loadtest", "http://h:1", "--model", "m", "--rate", "10", "--protocol", "grpc",
+         "--grpc-target", "grpc://10.0.0.2:9001"]
+    )  # fmt: skip
+    assert build_config(args).grpc_address == "10.0.0.2:9001"
