@@ -13,9 +13,11 @@ p99 per rate. The knee is the highest rate whose p99 stays within the SLO (50 ms
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -52,6 +54,19 @@ def _run(
     return out
 
 
+async def _sequential(client: Any, loads: list[Any], n: int = 300) -> float:
+    """Median ms of ``n`` requests sent one after another (no queueing, no batching)."""
+    await client.connect(1)
+    took = []
+    for i in range(n):
+        t = time.perf_counter()
+        outcome = await client.infer(loads[i % len(loads)])
+        took.append(time.perf_counter() - t)
+        assert outcome == "ok", outcome
+    await client.aclose()
+    return statistics.median(took) * 1e3
+
+
 def _knee(rows: list[dict[str, Any]]) -> float | None:
     """The highest offered rate below which every step passed (the first failure ends it)."""
     knee = None
@@ -70,14 +85,14 @@ def _passes(r: dict[str, Any]) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--rates", default="100,200,300,400,500,600,800")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rates", default="40,60,80,100,120,160")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--render-only", action="store_true", help="rewrite the section from JSON")
     args = ap.parse_args()
     if args.render_only:
         doc = json.loads((OUT / "grpc.json").read_text())
         render(doc["results"], doc["note"], doc.get("seconds", args.seconds),
-               doc.get("rounds", args.rounds))  # fmt: skip
+               doc.get("rounds", args.rounds), doc.get("sequential_ms"))  # fmt: skip
         return
     path, rows, note = mnist_model()
     http_loads = payloads(rows, "binary")
@@ -86,7 +101,13 @@ def main() -> None:
     flags = ["--grpc-port", str(port), "--threads", "1", "--max-batch-size", "16",
              "--max-queue-delay-ms", "2"]  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
+    sequential: dict[str, list[float]] = {"http": [], "grpc": []}
     with run_in_subprocess([path], flags) as (url, _):
+        for _ in range(3):  # one request at a time, alternating: the protocols' own latency
+            client = HttpClient(url, "mnist", timeout_s=30)
+            sequential["http"].append(asyncio.run(_sequential(client, http_loads)))
+            grpc_client = GrpcClient(f"127.0.0.1:{port}", timeout_s=30)
+            sequential["grpc"].append(asyncio.run(_sequential(grpc_client, grpc_loads)))
         for rate in [float(r) for r in args.rates.split(",")]:
             runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
             for _ in range(args.rounds):
@@ -101,13 +122,18 @@ def main() -> None:
                 merged["ok_rps"] = statistics.median(g["ok_rps"] for g in got)
                 results[proto].append(merged)
             print(rate, {p: round(results[p][-1]["p99_ms"], 1) for p in results}, flush=True)
-    save_json("grpc", {"note": note, "results": results, "slo_ms": SLO_MS,
+    seq = {p: statistics.median(v) for p, v in sequential.items()}
+    save_json("grpc", {"note": note, "results": results, "slo_ms": SLO_MS, "sequential_ms": seq,
                        "seconds": args.seconds, "rounds": args.rounds})  # fmt: skip
-    render(results, note, args.seconds, args.rounds)
+    render(results, note, args.seconds, args.rounds, seq)
 
 
 def render(
-    results: dict[str, list[dict[str, Any]]], note: str, seconds: float, rounds: int
+    results: dict[str, list[dict[str, Any]]],
+    note: str,
+    seconds: float,
+    rounds: int,
+    seq: dict[str, float] | None = None,
 ) -> None:
     """Write the section of bench/RESULTS-serve.md from measured ``results``."""
     knees = {p: _knee(r) for p, r in results.items()}
@@ -131,6 +157,9 @@ def render(
     shown = {p: f"{k:g} req/s" if k else f"below {lowest:g} req/s" for p, k in knees.items()}
     lines += ["", f"Knee (every step up to it: p99 <= {SLO_MS:g} ms, <1% failed): HTTP binary "
               f"{shown['http']}, gRPC {shown['grpc']}" + (f" ({ratio:.2f}x)." if ratio else ".")]  # fmt: skip
+    if seq:
+        lines += ["", f"One request at a time (300 each, 3 alternating rounds, median): HTTP "
+                  f"binary {seq['http']:.2f} ms, gRPC {seq['grpc']:.2f} ms."]  # fmt: skip
     lines += ["", "On a machine whose 2 cores other work also used (below), the p99 of both "
               "protocols moves by tens of ms from step to step; compare the columns, not the "
               "absolute numbers.", "",
