@@ -21,10 +21,11 @@ import time
 from typing import Any
 
 import numpy as np
+import psutil
 
 from serve_common import OUT, mnist_model, payloads, save_json, summarize, write_section
 from slimline.loadtest.client import HttpClient
-from slimline.loadtest.generator import OpenPlan, execute
+from slimline.loadtest.generator import ClosedPlan, OpenPlan, execute
 from slimline.loadtest.grpc_client import GrpcClient, grpc_payloads
 from slimline.serve import run_in_subprocess
 
@@ -67,6 +68,22 @@ async def _sequential(client: Any, loads: list[Any], n: int = 300) -> float:
     return statistics.median(took) * 1e3
 
 
+def _closed(proto: str, target: str, loads: list[Any], proc: Any) -> dict[str, float]:
+    """Closed loop, 8 users, 5 s: achieved req/s and the server's CPU seconds per request
+    (user + system of its process: event loop, pools and ONNX Runtime threads)."""
+    server = psutil.Process(proc.pid)
+    cpu0 = sum(server.cpu_times()[:2])
+    if proto == "grpc":
+        rec = execute(lambda: GrpcClient(target, timeout_s=30), ClosedPlan(8, 5.0), loads,
+                      connections=1)  # fmt: skip
+    else:
+        rec = execute(lambda: HttpClient(target, "mnist", timeout_s=30), ClosedPlan(8, 5.0),
+                      loads, connections=8)  # fmt: skip
+    ok = int((rec.outcome == 0).sum())
+    cpu = sum(server.cpu_times()[:2]) - cpu0
+    return {"rps": ok / 5.0, "cpu_ms": 1e3 * cpu / max(ok, 1)}
+
+
 def _knee(rows: list[dict[str, Any]]) -> float | None:
     """The highest offered rate below which every step passed (the first failure ends it)."""
     knee = None
@@ -102,7 +119,11 @@ def main() -> None:
              "--max-queue-delay-ms", "2"]  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
     sequential: dict[str, list[float]] = {"http": [], "grpc": []}
-    with run_in_subprocess([path], flags) as (url, _):
+    closed: dict[str, list[dict[str, float]]] = {"http": [], "grpc": []}
+    with run_in_subprocess([path], flags) as (url, proc):
+        for _ in range(2):  # closed loop, alternating: server CPU per request
+            closed["http"].append(_closed("http", url, http_loads, proc))
+            closed["grpc"].append(_closed("grpc", f"127.0.0.1:{port}", grpc_loads, proc))
         for _ in range(3):  # one request at a time, alternating: the protocols' own latency
             client = HttpClient(url, "mnist", timeout_s=30)
             sequential["http"].append(asyncio.run(_sequential(client, http_loads)))
@@ -123,6 +144,9 @@ def main() -> None:
                 results[proto].append(merged)
             print(rate, {p: round(results[p][-1]["p99_ms"], 1) for p in results}, flush=True)
     seq = {p: statistics.median(v) for p, v in sequential.items()}
+    for p, v in closed.items():
+        seq[f"{p}_cpu_ms"] = statistics.median(x["cpu_ms"] for x in v)
+        seq[f"{p}_closed_rps"] = statistics.median(x["rps"] for x in v)
     save_json("grpc", {"note": note, "results": results, "slo_ms": SLO_MS, "sequential_ms": seq,
                        "seconds": args.seconds, "rounds": args.rounds})  # fmt: skip
     render(results, note, args.seconds, args.rounds, seq)
@@ -160,6 +184,11 @@ def render(
     if seq:
         lines += ["", f"One request at a time (300 each, 3 alternating rounds, median): HTTP "
                   f"binary {seq['http']:.2f} ms, gRPC {seq['grpc']:.2f} ms."]  # fmt: skip
+    if seq and "http_cpu_ms" in seq:
+        lines += ["", f"Closed loop, 8 users, 5 s (2 alternating rounds, median): HTTP binary "
+                  f"{seq['http_closed_rps']:.0f} req/s at {seq['http_cpu_ms']:.2f} ms of server "
+                  f"CPU per request, gRPC {seq['grpc_closed_rps']:.0f} req/s at "
+                  f"{seq['grpc_cpu_ms']:.2f} ms."]  # fmt: skip
     lines += ["", "On a machine whose 2 cores other work also used (below), the p99 of both "
               "protocols moves by tens of ms from step to step; compare the columns, not the "
               "absolute numbers.", "",

@@ -119,12 +119,14 @@ class Repository:
 
     async def start(self) -> None:
         """Load every model on disk; failures are recorded, not raised."""
-        for name in self.models_on_disk():
-            try:
-                await self.act("load", name)
-            except ProtocolError as err:
-                log.error("model %s: %s", name, err)
-        self.started = True
+        try:
+            for name in self.models_on_disk():
+                try:
+                    await self.act("load", name)
+                except ProtocolError as err:
+                    log.error("model %s: %s", name, err)
+        finally:  # readiness never waits on a load that broke unexpectedly (it is logged)
+            self.started = True
 
     async def act(self, action: str, name: str) -> None:
         if action not in ("load", "unload"):
@@ -169,7 +171,10 @@ class Repository:
             )
         except (SlimlineError, OSError, RuntimeError, ValueError) as err:
             return self._mark(name, version, f"failed to load: {err}")
-        slot = self.state.add_slot(model)
+        try:
+            slot = self.state.add_slot(model)  # reads the drift reference, if any
+        except (SlimlineError, OSError, ValueError) as err:
+            return self._mark(name, version, f"failed to start: {err}")
         try:
             await self.state.warm_slot(slot)
         except Exception as err:
