@@ -163,9 +163,10 @@ def test_max_queue_delay_bounds_the_wait_for_a_batch_to_fill() -> None:
     model = Recorder()
 
     async def main() -> tuple[float, float]:
-        b = DynamicBatcher(model, config(max_batch_size=4, max_queue_delay_ms=60.0))
+        cfg = config(max_batch_size=4, max_queue_delay_ms=60.0, adaptive_delay=False)
+        b = DynamicBatcher(model, cfg)
         t0 = time.perf_counter()
-        await b.submit(request(1, 0.0))  # alone: waits the full delay, then runs
+        await b.submit(request(1, 0.0))  # alone: waits the full (fixed) delay, then runs
         lone = time.perf_counter() - t0
         t0 = time.perf_counter()
         await asyncio.gather(*(b.submit(request(1, 1.0)) for _ in range(4)))  # fills at once
@@ -351,3 +352,18 @@ def test_a_dead_collector_fails_every_request_at_once_and_says_why() -> None:
 
     run(main)
     assert model.batches == []
+
+
+def test_an_adaptive_window_runs_a_lone_request_at_once_and_still_batches_a_burst() -> None:
+    model = Recorder()
+
+    async def main() -> None:
+        b = DynamicBatcher(model, config(max_batch_size=4, max_queue_delay_ms=60_000.0))
+        assert b.waits_for_company() is False  # nothing arrived yet: an idle server
+        await asyncio.wait_for(b.submit(request(1, 0.0)), 30)  # not held for the 60 s window
+        await asyncio.gather(*(b.submit(request(1, 1.0)) for _ in range(4)))  # queued together
+        assert b.waits_for_company() is True  # arrivals within the window: wait for company
+        await b.close()
+
+    run(main)
+    assert model.sizes == [1, 4]

@@ -40,7 +40,13 @@ def _register_loadtest(sub: Any) -> None:
     p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name on the server")
     p.add_argument("--inputs", help=".npz, task .py, example name or run dir (default: --model)")
-    p.add_argument("--encoding", choices=["json", "binary"], default="json")
+    p.add_argument("--encoding", choices=["json", "binary"], default="json",
+                   help="HTTP request encoding (gRPC always sends raw tensor bytes)")  # fmt: skip
+    p.add_argument("--protocol", choices=["http", "grpc"], default="http",
+                   help="send infer requests over HTTP or the gRPC form of the protocol; checks "
+                   "and /metrics still use the HTTP URL")  # fmt: skip
+    p.add_argument("--grpc-target", default=None,
+                   help="HOST:PORT of the server's gRPC port (default: the URL's host, 8001)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=1, help="rows per request (default 1)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--rate", type=float, help="offered requests per second (open loop)")
@@ -145,6 +151,8 @@ def _config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "processes": processes,
         "max_lag_ms": args.max_lag_ms,
         "token": os.environ.get(args.token_env) or None,
+        "protocol": getattr(args, "protocol", "http"),
+        "grpc_target": getattr(args, "grpc_target", None),
     }
 
 

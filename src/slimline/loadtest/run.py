@@ -58,6 +58,10 @@ class LoadTestConfig(Config):
     processes: int | Literal["auto"] = "auto"
     max_lag_ms: float = Field(10.0, gt=0)
     token: str | None = Field(None, exclude=True, repr=False)
+    protocol: Literal["http", "grpc"] = "http"
+    grpc_target: str | None = Field(
+        None, description="host:port of the server's gRPC port (default: the URL's host, 8001)"
+    )
 
     @model_validator(mode="after")
     def _one_load_shape(self) -> LoadTestConfig:
@@ -73,6 +77,14 @@ class LoadTestConfig(Config):
     @property
     def mode(self) -> str:
         return "closed" if self.concurrency is not None else "open"
+
+    @property
+    def grpc_address(self) -> str:
+        """Where gRPC requests go: ``grpc_target``, else the URL's host at Triton's 8001."""
+        if self.grpc_target:
+            return self.grpc_target.removeprefix("grpc://")
+        host = split_url(self.url)[1]
+        return f"[{host}]:8001" if ":" in host else f"{host}:8001"
 
 
 def check_server(url: str, model: str, token: str | None = None) -> dict[str, Any]:
@@ -132,13 +144,18 @@ def _http(url: str, token: str | None) -> httpx.Client:
 def sample_payloads(cfg: LoadTestConfig) -> list[Payload]:
     """Encoded requests from ``--inputs`` (default: the model name, read the same way)."""
     if cfg.inputs is not None:
-        return build_payloads(load_samples(cfg.inputs), cfg.encoding, cfg.batch_size)
-    try:
-        samples = load_samples(cfg.model)
-    except LoadTestError as err:
-        raise LoadTestError(
-            f"no --inputs given, so the model name is the sample source: {err}; pass --inputs"
-        ) from None
+        samples = load_samples(cfg.inputs)
+    else:
+        try:
+            samples = load_samples(cfg.model)
+        except LoadTestError as err:
+            raise LoadTestError(
+                f"no --inputs given, so the model name is the sample source: {err}; pass --inputs"
+            ) from None
+    if cfg.protocol == "grpc":
+        from .grpc_client import grpc_payloads
+
+        return grpc_payloads(samples, cfg.model, cfg.batch_size)
     return build_payloads(samples, cfg.encoding, cfg.batch_size)
 
 
@@ -253,8 +270,7 @@ def run_loadtest(
     plan, duration, payloads = plan_for(cfg, payloads)
     if client_factory is None:
         assert meta is not None
-        check_request(cfg.url, cfg.model, payloads[0], meta, cfg.token)
-        client_factory = functools.partial(HttpClient, cfg.url, cfg.model, cfg.timeout_s, cfg.token)
+        client_factory = _checked_client(cfg, payloads[0], meta)
     processes = _processes(cfg, plan, duration)
     rate = cfg.rate or (
         len(plan.offsets) / (cfg.warmup_s + duration) if isinstance(plan, OpenPlan) else 1
@@ -276,6 +292,17 @@ def run_loadtest(
         result = run_with(more)
         result["config"]["escalated_from"] = processes
     return result
+
+
+def _checked_client(cfg: LoadTestConfig, payload: Payload, meta: dict[str, Any]) -> ClientFactory:
+    """The client of ``cfg.protocol``, once one real request through it was answered."""
+    if cfg.protocol == "grpc":
+        from .grpc_client import GrpcClient, check_grpc_request
+
+        check_grpc_request(cfg.grpc_address, payload, cfg.model, cfg.token)
+        return functools.partial(GrpcClient, cfg.grpc_address, cfg.timeout_s, cfg.token)
+    check_request(cfg.url, cfg.model, payload, meta, cfg.token)
+    return functools.partial(HttpClient, cfg.url, cfg.model, cfg.timeout_s, cfg.token)
 
 
 def _generator_bound(result: dict[str, Any]) -> bool:

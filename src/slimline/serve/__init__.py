@@ -1,4 +1,5 @@
-"""Serving: KServe v2 over HTTP with dynamic batching, metrics, and Ray Serve scale-out.
+"""Serving: KServe v2 over HTTP and gRPC with dynamic batching, a versioned model repository,
+metrics, model monitoring, and Ray Serve scale-out.
 
 From the command line::
 
@@ -18,6 +19,10 @@ From Python (load tests, notebooks, other slimline commands)::
 
     app = build_app(models, settings)   # a plain ASGI app, for any ASGI server or test client
 
+    # HTTP and gRPC from one process, one batcher per model version:
+    with serve_in_thread(models, ServeSettings(port=0, grpc_port=0)) as handle:
+        ...  # handle.url, handle.grpc_target
+
 Scale-out: :func:`slimline.serve.ray.serve_on_ray` (``slimline serve --backend ray --replicas N``)
 deploys the same app, batcher and endpoints as a Ray Serve application. ``DynamicBatcher`` is
 usable on its own (no HTTP in it). See docs/serving.md.
@@ -35,7 +40,13 @@ from .model import (
     TensorSpec,
     load_served_models,
 )
-from .server import run_in_subprocess, run_in_thread, serve_forever
+from .server import (
+    ServerHandle,
+    run_in_subprocess,
+    run_in_thread,
+    serve_forever,
+    serve_in_thread,
+)
 
 __all__ = [
     "TIMEOUT_HEADER",
@@ -46,10 +57,12 @@ __all__ = [
     "OrtBackend",
     "ServeSettings",
     "ServedModel",
+    "ServerHandle",
     "TensorSpec",
     "build_app",
     "load_served_models",
     "run_in_subprocess",
     "run_in_thread",
     "serve_forever",
+    "serve_in_thread",
 ]

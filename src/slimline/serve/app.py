@@ -1,58 +1,44 @@
 """The HTTP server: KServe v2 endpoints over the dynamic batcher, as a FastAPI app.
 
-``build_app(models, settings)`` returns an ASGI app. Its lifespan creates one
-:class:`~slimline.serve.batcher.DynamicBatcher` per model, warms it up at the powers of two up to
-``max_batch_size`` (the server is live at once and ready after warm-up) and, at shutdown, drains
-every queue before it returns. A batcher whose collector died makes the server neither live nor
-ready, so an orchestrator restarts it.
+``build_app(models, settings)`` returns an ASGI app. Its lifespan starts the
+:class:`~slimline.serve.state.ServerState`: one :class:`~slimline.serve.batcher.DynamicBatcher`
+per model version, warmed up at the powers of two up to ``max_batch_size`` (the server is live at
+once and ready after warm-up), the gRPC front end (``grpc_port``) and the model repository
+(``repository``); at shutdown it drains every queue before it returns. A batcher whose collector
+died makes the server neither live nor ready, so an orchestrator restarts it.
+
+The part of a request both protocols share is :mod:`slimline.serve.requests`
+(:mod:`slimline.serve.grpc_server` is the other protocol).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
-from pydantic import Field, SecretStr
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
-from ..errors import RequestError
-from ..recipe import Config
-from .batcher import (
-    BatcherConfig,
-    BatcherStopped,
-    DeadlineExceeded,
-    DynamicBatcher,
-    InferenceFailed,
-    InvalidRequest,
-    QueueFull,
-    ShuttingDown,
-)
-from .metrics import ModelObserver, ServeMetrics
-from .model import ModelInputError, ServedModel
+from .model import ServedModel
 from .protocol import (
     HEADER_LENGTH,
     ProtocolError,
-    check_requested_outputs,
     decode_body,
     encode_response,
     model_metadata,
     parse_infer_request,
-    validate_inputs,
 )
+from .requests import classify_error, in_pool, infer_tensors
 from .schema import (
     ErrorBody,
     InferenceRequest,
@@ -62,142 +48,21 @@ from .schema import (
     ReadyBody,
     ServerMetadata,
 )
+from .state import ServerState, ServeSettings, Slot, example_inputs
 
-__all__ = ["TIMEOUT_HEADER", "ServeSettings", "ServerState", "build_app"]
+__all__ = [
+    "TIMEOUT_HEADER",
+    "ServeSettings",
+    "ServerState",
+    "build_app",
+    "example_inputs",
+]
 
 log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 OFFLOAD_BYTES = 256 * 1024  # bodies/outputs above this are decoded/encoded off the event loop
 _ACCEPTED_TYPES = frozenset({"", "application/json", "application/octet-stream"})
-
-
-class ServeSettings(Config):
-    """Everything the server needs besides its models (the CLI builds one of these)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    batching: BatcherConfig = Field(default_factory=BatcherConfig)
-    threads: int = Field(1, ge=1, le=256, description="ONNX Runtime intra-op threads per batch")
-    ort_spinning: bool = Field(False, description="let idle ONNX Runtime threads spin-wait")
-    api_token: SecretStr | None = None
-    max_body_bytes: int = Field(64 << 20, ge=1024)
-    allow_nonfinite: bool = False
-    drain_timeout_s: float = Field(30.0, gt=0.0)
-    processing_threads: int = Field(2, ge=1, le=64, description="pool for pre/post-processing")
-
-
-class ServerState:
-    """Models, their batchers and the readiness flags of one app."""
-
-    def __init__(self, models: list[ServedModel], settings: ServeSettings) -> None:
-        self.settings = settings
-        self.models = {m.name: m for m in models}
-        self.metrics = ServeMetrics(settings.batching.max_batch_size)
-        self.batchers: dict[str, DynamicBatcher] = {}
-        self.observers: dict[str, ModelObserver] = {}
-        self.warm: set[str] = set()
-        self.warmup_error: str | None = None
-        self.draining = False
-        self.processing = ThreadPoolExecutor(settings.processing_threads, "pre-post")
-        self.on_fatal: Callable[[], None] | None = None  # e.g. stop the HTTP server
-        self._warmup: asyncio.Task[None] | None = None
-
-    @property
-    def ready(self) -> bool:
-        return not self.draining and len(self.warm) == len(self.models) and self.healthy
-
-    @property
-    def healthy(self) -> bool:
-        """False once a model's batcher has died: nothing can be served until a restart."""
-        return self.problem is None
-
-    @property
-    def problem(self) -> str | None:
-        """Why the server is unhealthy (failed warm-up or a dead batcher), or None."""
-        if self.warmup_error:
-            return self.warmup_error
-        for name, batcher in self.batchers.items():
-            if batcher.failure is not None:
-                return f"the batcher of model {name!r} stopped ({batcher.failure})"
-        return None
-
-    @property
-    def degraded(self) -> str | None:
-        """Why a cascade answers from its edge tier alone (its cloud is unavailable), or None."""
-        return next((m.cascade.degraded for m in self.models.values()
-                     if m.cascade is not None and m.cascade.degraded), None)  # fmt: skip
-
-    def model_ready(self, name: str) -> bool:
-        batcher = self.batchers.get(name)
-        dead = batcher is not None and batcher.failure is not None
-        return name in self.warm and not self.draining and not dead
-
-    async def start(self) -> None:
-        for name, model in self.models.items():
-            cfg = self.settings.batching
-            fixed = model.fixed_batch()
-            if fixed is not None:
-                cfg = cfg.model_copy(update={"max_batch_size": fixed})
-            observer = self.observers[name] = self.metrics.add_model(name)
-            batcher = DynamicBatcher(
-                model.backend.run, cfg, stack=fixed is None, observer=observer, name=name
-            )
-            batcher.start()
-            self.batchers[name] = batcher
-            if model.cascade is not None:
-                await model.cascade.start(self.metrics.registry, name)
-        self._warmup = asyncio.get_running_loop().create_task(self._warm_up())
-
-    async def _warm_up(self) -> None:
-        loop = asyncio.get_running_loop()
-        for name, batcher in self.batchers.items():
-            model = self.models[name]
-            try:
-                for size in batcher.batch_sizes():
-                    await loop.run_in_executor(
-                        self.processing, model.backend.run, example_inputs(model, size)
-                    )
-            except Exception as err:
-                self.warmup_error = (
-                    f"warm-up of model {name!r} failed ({err}); check that the model runs "
-                    "with ONNX Runtime on this machine"
-                )
-                log.error("%s", self.warmup_error)
-                if self.on_fatal is not None:
-                    self.on_fatal()
-                return
-            self.warm.add(name)
-            log.info("model %s warm (batch sizes %s)", name, batcher.batch_sizes())
-
-    async def warmed(self) -> None:
-        """Wait for warm-up; raises if it failed."""
-        if self._warmup is not None:
-            await asyncio.shield(self._warmup)
-        if self.warmup_error:
-            raise RuntimeError(self.warmup_error)
-
-    async def stop(self) -> None:
-        """Refuse new work, answer everything queued, then release the pools."""
-        self.draining = True
-        if self._warmup is not None and not self._warmup.done():
-            self._warmup.cancel()
-        await asyncio.gather(*(b.close(drain=True) for b in self.batchers.values()))
-        for model in self.models.values():
-            if model.cascade is not None:
-                await model.cascade.close()
-        self.processing.shutdown(wait=True)
-
-
-def example_inputs(model: ServedModel, batch: int) -> dict[str, np.ndarray]:
-    """Ones of each input's dtype; ``batch`` rows; free non-batch dimensions set to 1."""
-    out = {}
-    for spec in model.backend.inputs:
-        dims = [d if d is not None else 1 for d in spec.shape]
-        if model.batchable:
-            dims[0] = batch
-        out[spec.name] = np.ones(dims, dtype=spec.dtype)
-    return out
 
 
 # -- the app ------------------------------------------------------------------------------
@@ -210,13 +75,23 @@ def build_app(
     wait for warm-up (for hosts such as Ray Serve that route traffic once start-up returns).
     """
     settings = settings or ServeSettings()
-    if not models:
-        raise ValueError("build_app needs at least one model")
+    if not models and settings.repository is None:
+        raise ValueError("build_app needs at least one model (or a model repository)")
     state = ServerState(models, settings)
+    if settings.repository is not None:
+        from .repository import Repository
+
+        state.repository = Repository(state, settings.repository, settings.version_policy,
+                                      gate=settings.gate)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await state.start()
+        if settings.grpc_port is not None:
+            from .grpc_server import GrpcFrontEnd  # grpcio loads only when asked for
+
+            state.grpc = GrpcFrontEnd(state)
+            await state.grpc.start(settings.host, settings.grpc_port)
         if warm_first:
             await state.warmed()
         try:
@@ -235,6 +110,7 @@ def build_app(
     app.state.slimline = state
     _add_health_routes(app, state)
     _add_model_routes(app, state)
+    _add_repository_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if settings.api_token is not None:
         app.add_middleware(BearerAuth, token=settings.api_token.get_secret_value())
@@ -253,7 +129,8 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
 def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v2", response_model=ServerMetadata, tags=["server"])
     async def server_metadata() -> Response:
-        doc = {"name": "slimline", "version": __version__, "extensions": ["binary_tensor_data"]}
+        extensions = ["binary_tensor_data", *state.extensions()]
+        doc = {"name": "slimline", "version": __version__, "extensions": extensions}
         return _json(doc)
 
     @app.get(
@@ -275,6 +152,8 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
         doc: dict[str, Any] = {"ready": state.ready}
         if state.degraded:
             doc.update(degraded=True, reason=state.degraded)
+        if state.unavailable():  # repository versions that failed to load, with the reason
+            doc["unavailable"] = state.unavailable()
         return _json(doc, 200 if state.ready else 503)
 
     @app.get("/metrics", tags=["server"], response_class=Response)
@@ -289,7 +168,7 @@ def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
 
     async def model_ready(name: str, version: str | None = None) -> Response:
         _, problem = _lookup(state, name, version)
-        ok = problem is None and state.model_ready(name)
+        ok = problem is None and state.model_ready(name, version)
         return problem or _json({"ready": ok}, 200 if ok else 503)
 
     # one handler per route shape, so the OpenAPI document lists exactly the path parameters
@@ -339,19 +218,46 @@ def _add_model_routes(app: _ServeApp, state: ServerState) -> None:
         app.router.routes.insert(0, Route(prefix + "/infer", endpoint, methods=["POST"]))
 
 
+def _add_repository_routes(app: FastAPI, state: ServerState) -> None:
+    """The v2 model repository extension: the index, load and unload."""
+
+    async def index(request: Request) -> Response:
+        ready_only = False
+        if request.method == "POST":
+            body = await request.body()
+            try:
+                ready_only = bool(orjson.loads(body).get("ready", False)) if body else False
+            except (orjson.JSONDecodeError, AttributeError):
+                return _error("the index request body must be a JSON object", 400)
+        return _json(state.repository_index(ready_only))
+
+    async def act(action: str, name: str) -> Response:
+        try:
+            await state.repository_action(action, name)
+        except ProtocolError as err:
+            return _error(str(err), err.status)
+        return _json({})
+
+    async def load(name: str) -> Response:
+        return await act("load", name)
+
+    async def unload(name: str) -> Response:
+        return await act("unload", name)
+
+    errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody} for c in (400, 404, 501)}
+    app.get("/v2/repository/index", tags=["repository"], operation_id="repository_index_get")(index)
+    app.post("/v2/repository/index", tags=["repository"], operation_id="repository_index")(index)
+    app.post("/v2/repository/models/{name}/load", responses=errors, tags=["repository"])(load)
+    app.post("/v2/repository/models/{name}/unload", responses=errors, tags=["repository"])(unload)
+
+
 def _lookup(
     state: ServerState, name: str, version: str | None
 ) -> tuple[ServedModel | None, Response | None]:
-    model = state.models.get(name)
-    if model is None:
-        served = ", ".join(sorted(state.models))
-        return None, _error(f"unknown model {name!r}; this server serves: {served}", 404)
-    if version is not None and version != model.version:
-        return None, _error(
-            f"model {name!r} has no version {version!r}; the served version is {model.version!r}",
-            404,
-        )
-    return model, None
+    try:
+        return state.find(name, version).model, None
+    except ProtocolError as err:
+        return None, _error(str(err), err.status)
 
 
 # -- the infer hot path ------------------------------------------------------------------
@@ -459,102 +365,55 @@ class _Call:
 
 # -- inference ----------------------------------------------------------------------------
 async def _infer(state: ServerState, call: _Call, name: str, version: str | None) -> Response:
-    model, problem = _lookup(state, name, version)
-    if problem is not None:
-        return problem
-    assert model is not None
+    try:
+        slot = state.find(name, version)
+    except ProtocolError as err:
+        return _error(str(err), err.status)
     started = time.perf_counter()
     series = state.observers[name]
     series.inflight.inc()
+    slot.inflight += 1  # the version stays in service until this request is answered
     outcome = "error"
     try:
-        response, outcome = await _answer(state, model, call)
+        response, outcome = await _answer(state, slot, call)
         if outcome == "ok":
             series.latency.observe(time.perf_counter() - started)
         return response
     finally:
+        slot.inflight -= 1
         series.inflight.dec()
         series.requests[outcome].inc()
 
 
-async def _answer(state: ServerState, model: ServedModel, call: _Call) -> tuple[Response, str]:
+async def _answer(state: ServerState, slot: Slot, call: _Call) -> tuple[Response, str]:
     """The response and its outcome label; every failure mode maps to one status here."""
     try:
-        return await _run_request(state, model, call), "ok"
-    except ProtocolError as err:
-        return _error(str(err), err.status), "bad_request"
-    except InvalidRequest as err:
-        return _error(str(err), 400), "bad_request"
-    except (QueueFull, ShuttingDown) as err:
-        return _error(str(err), 503, {"Retry-After": "1"}), "rejected"
-    except BatcherStopped as err:
-        log.error("%s", err)
-        return _error(str(err), 503), "error"
-    except DeadlineExceeded as err:
-        return _error(str(err), 504), "timeout"
-    except InferenceFailed as err:
-        if isinstance(err.__cause__, ModelInputError):
-            return _error(f"model {model.name!r} rejected the inputs: {err.__cause__}", 400), (
-                "bad_request"
-            )
-        log.error("%s", err)
-        return _error(str(err), 500), "error"
-    except RequestError as err:  # a request's outcome with no status of its own above
-        log.error("%s", err)
-        return _error(str(err), 500), "error"
-    except Exception:
-        log.exception("unexpected failure serving model %s", model.name)
-        return _error(f"internal error serving model {model.name!r}; see the server log", 500), (
-            "error"
-        )
+        return await _run_request(state, slot, call), "ok"
+    except Exception as err:
+        status, outcome, message = classify_error(err, slot.model)
+        headers = {"Retry-After": "1"} if outcome == "rejected" else None
+        return _error(message, status, headers), outcome
 
 
-async def _run_request(state: ServerState, model: ServedModel, call: _Call) -> Response:
+async def _run_request(state: ServerState, slot: Slot, call: _Call) -> Response:
     settings = state.settings
-    batcher = state.batchers[model.name]
-    batcher.check_admission()  # under overload, refuse before reading and decoding the body
+    model = slot.model
+    slot.batcher.check_admission()  # under overload, refuse before reading and decoding the body
     timeout_s = _header_timeout(call.timeout)
     body = await _read_body(call, settings.max_body_bytes)
     header_length = call.header_length
     if len(body) > OFFLOAD_BYTES:  # keep the event loop (and the deadline timers) responsive
-        req = await _in_pool(state, lambda b: parse_infer_request(b, header_length), body)
+        req = await in_pool(state, lambda b: parse_infer_request(b, header_length), body)
     else:
         req = parse_infer_request(body, header_length)
-    check_requested_outputs(model, req)
-    inputs = req.inputs
-    if model.preprocess is not None:
-        try:
-            inputs = await _in_pool(state, model.preprocess, inputs)
-        except (ValueError, TypeError, KeyError) as err:  # the user's data, not the server
-            raise ProtocolError(
-                f"model {model.name!r}: pre-processing rejected the request ({err!r}); check "
-                "the inputs"
-            ) from None
-    validate_inputs(
-        model,
-        inputs,
-        max_batch=batcher.config.max_batch_size,
-        allow_nonfinite=settings.allow_nonfinite,
-    )
-    edge_started = time.perf_counter()
-    outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
-    parameters = None
-    if model.cascade is not None:
-        model.cascade.observe_edge(time.perf_counter() - edge_started)
-        outputs, parameters = await model.cascade.refine(inputs, outputs)
-    if model.postprocess is not None:
-        outputs = await _in_pool(state, model.postprocess, outputs)
+    outputs, parameters = await infer_tensors(state, slot, req, timeout_s)
     if sum(v.nbytes for v in outputs.values()) > OFFLOAD_BYTES:
-        body_out, headers = await _in_pool(
+        body_out, headers = await in_pool(
             state, lambda o: encode_response(model, req, o, parameters), outputs
         )
     else:
         body_out, headers = encode_response(model, req, outputs, parameters)
     return Response(body_out, 200, headers=headers)
-
-
-async def _in_pool(state: ServerState, fn: Callable[[Any], Any], arg: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(state.processing, fn, arg)
 
 
 def _header_timeout(value: str | None) -> float | None:

@@ -4,7 +4,8 @@
 returns that request's slice of the model's outputs. A collector task forms a batch whenever an
 instance is free: it takes the oldest request and every later request with the same trailing
 shapes, in order, up to ``max_batch_size`` rows, waiting at most ``max_queue_delay_ms`` after the
-oldest request arrived. The batch runs in a thread pool of ``instances`` threads (ONNX Runtime
+oldest request arrived (with ``adaptive_delay``, the default, only while requests arrive at
+least once per window on average: at low load a lone request runs at once). The batch runs in a thread pool of ``instances`` threads (ONNX Runtime
 releases the GIL), so up to ``instances`` batches run at once and the event loop stays free.
 
 Queue policy: a full queue rejects at once (:class:`QueueFull`); each request has a deadline,
@@ -23,6 +24,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +68,9 @@ class BatcherConfig(Config):
     max_queue_size: int = Field(256, ge=1, le=1_000_000, description="queued requests")
     timeout_ms: float = Field(1000.0, gt=0.0, le=3_600_000.0, description="default deadline")
     instances: int = Field(1, ge=1, le=64, description="batches running at once")
+    adaptive_delay: bool = Field(
+        True, description="wait for company only when requests arrive faster than the window"
+    )
 
 
 class BatcherObserver(Protocol):
@@ -131,6 +136,8 @@ class DynamicBatcher:
         self._collector: asyncio.Task[None] | None = None
         self._closing = False
         self.failure: str | None = None  # why the collector died, if it did
+        self._gap = math.inf  # moving mean of the time between arrivals (s); inf: none seen yet
+        self._last_arrival: float | None = None
 
     # -- public surface -------------------------------------------------------------------
     @property
@@ -192,6 +199,7 @@ class DynamicBatcher:
         self.start()
         loop = asyncio.get_running_loop()
         now = loop.time()
+        self._note_arrival(now)
         pending = _Pending(inputs, rows, key, loop.create_future(), now)
         timeout = self.config.timeout_ms / 1000.0 if timeout_s is None else timeout_s
         pending.timer = loop.call_at(now + timeout, self._expire, pending)
@@ -204,6 +212,20 @@ class DynamicBatcher:
         except asyncio.CancelledError:  # the caller went away: never run it if not started
             self._forget(pending)
             raise
+
+    def _note_arrival(self, now: float) -> None:
+        """Update the moving mean gap between arrivals (each gap capped at 1 s, so an idle
+        spell is forgotten within a few dozen requests of a burst)."""
+        if self._last_arrival is not None:
+            gap = min(now - self._last_arrival, 1.0)
+            self._gap = gap if math.isinf(self._gap) else 0.8 * self._gap + 0.2 * gap
+        self._last_arrival = now
+
+    def waits_for_company(self) -> bool:
+        """Whether a lone request waits up to ``max_queue_delay_ms`` for others to join it:
+        always with a fixed window; with ``adaptive_delay`` only when requests arrive at least
+        once per window on average (at low load the wait would hold it for nothing)."""
+        return not self.config.adaptive_delay or self._gap < self.config.max_queue_delay_ms / 1e3
 
     async def close(self, drain: bool = True) -> None:
         """Stop taking requests; with ``drain`` answer every queued one first."""
@@ -314,7 +336,8 @@ class DynamicBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             first = self._oldest()
-            fill_by = first.enqueued + self.config.max_queue_delay_ms / 1000.0
+            delay = self.config.max_queue_delay_ms / 1000.0 if self.waits_for_company() else 0.0
+            fill_by = first.enqueued + delay
             while first.state is _State.QUEUED and not self._full(first):
                 wait = fill_by - loop.time()
                 if wait <= 0 or self._closing:

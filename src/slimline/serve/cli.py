@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
+    from .publish import register_publish
+
+    register_publish(subparsers)
     parser = subparsers.add_parser(
         "serve",
         help="serve models over KServe v2 HTTP with dynamic batching",
@@ -38,11 +41,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "models", nargs="*", metavar="RUN_DIR_OR_ONNX", help="run directories or .onnx files"
     )
+    p.add_argument("--repository", type=Path, default=None, metavar="DIR",
+                   help="serve a model repository: DIR/<model>/<version>/ (a run directory's "
+                   "files or one .onnx file per version); load/unload at /v2/repository")  # fmt: skip
+    p.add_argument("--version-policy", default="latest:1",
+                   help="repository versions served: latest:N (default latest:1), all, or "
+                   "specific:1,3")  # fmt: skip
+    p.add_argument("--gate", action="store_true",
+                   help="a new repository version takes traffic only if `slimline check` of its "
+                   "manifest against the serving version's passes")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the Open Inference Protocol over gRPC on this port (Triton's "
+                   "default is 8001; 0: any free port)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="rows per batch")
     p.add_argument("--max-queue-delay-ms", type=float, default=d.max_queue_delay_ms,
                    help="longest wait for a batch to fill")  # fmt: skip
+    p.add_argument("--fixed-delay", action="store_true",
+                   help="always wait --max-queue-delay-ms for a batch to fill (default: only while "
+                   "requests arrive at least once per window, so a lone request runs at once)")  # fmt: skip
     p.add_argument("--max-queue-size", type=int, default=d.max_queue_size,
                    help="queued requests per model; more are rejected with 503")  # fmt: skip
     p.add_argument("--timeout-ms", type=float, default=d.timeout_ms,
@@ -56,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"require Authorization: Bearer <token in this file> (or set ${TOKEN_ENV})")  # fmt: skip
     p.add_argument("--max-body-mb", type=float, default=64.0, help="request body limit in MiB")
     p.add_argument("--allow-nonfinite", action="store_true", help="accept NaN/Inf inputs")
+    p.add_argument("--drift-window", type=int, default=1000,
+                   help="live prediction rows the drift score compares with the reference")  # fmt: skip
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="longest graceful drain after SIGTERM")  # fmt: skip
     p.add_argument("--backend", choices=["local", "ray"], default="local",
@@ -89,10 +109,16 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
             max_queue_size=args.max_queue_size,
             timeout_ms=args.timeout_ms,
             instances=args.instances,
+            adaptive_delay=not args.fixed_delay,
         )
         return ServeSettings(
             host=args.host,
             port=args.port,
+            grpc_port=args.grpc_port,
+            repository=args.repository,
+            version_policy=args.version_policy,
+            gate=args.gate,
+            drift_window=args.drift_window,
             batching=batching,
             threads=args.threads or default_threads(args.instances),
             ort_spinning=args.ort_spinning,
@@ -155,12 +181,22 @@ def _cascade(args: argparse.Namespace, settings: ServeSettings, memory: Any) -> 
 
 
 def _check_backend(args: argparse.Namespace) -> None:
-    if not args.models and not args.cascade:
-        raise ServeError("nothing to serve; pass RUN_DIR_OR_ONNX or --cascade EDGE CLOUD")
+    if not args.models and not args.cascade and args.repository is None:
+        raise ServeError(
+            "nothing to serve; pass RUN_DIR_OR_ONNX, --repository DIR or --cascade EDGE CLOUD"
+        )
+    if args.repository is not None and args.backend == "ray":
+        raise ServeError("--repository runs with --backend local; drop --backend ray")
+    if args.repository is not None:
+        from .repository import parse_policy
+
+        parse_policy(args.version_policy)
     if args.cascade and args.backend == "ray":
         raise ServeError("--cascade runs with --backend local; drop --backend ray")
     if args.backend == "local" and args.replicas != 1:
         raise ServeError("--replicas needs --backend ray; add it or drop --replicas")
+    if args.backend == "ray" and args.grpc_port is not None:
+        raise ServeError("--grpc-port runs with --backend local; drop --backend ray")
     if args.backend == "ray" and args.port == 0:
         raise ServeError("--backend ray needs a fixed --port (Ray's proxy cannot pick one)")
 

@@ -300,6 +300,7 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
         "candidate": selected,
         "run_status": manifest.get("status"),
         "runtime": manifest.get("selected_runtime") or "onnxruntime",
+        "output_kind": (manifest.get("task") or {}).get("output_kind"),
     }
     if (manifest.get("memory_profile") or {}).get("candidate") == selected:
         meta["memory_profile"] = manifest["memory_profile"]

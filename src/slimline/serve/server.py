@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -32,7 +33,14 @@ from .app import ServerState, ServeSettings, build_app
 from .model import ServedModel
 from .transport import http_protocol
 
-__all__ = ["bind_socket", "run_in_subprocess", "run_in_thread", "serve_forever"]
+__all__ = [
+    "ServerHandle",
+    "bind_socket",
+    "run_in_subprocess",
+    "run_in_thread",
+    "serve_forever",
+    "serve_in_thread",
+]
 
 log = logging.getLogger(__name__)
 READY_LINE = "slimline serve: listening on "
@@ -114,11 +122,30 @@ def _freeze_start_up_objects() -> None:
     gc.freeze()
 
 
+@dataclass(frozen=True)
+class ServerHandle:
+    """A server running in a thread: its HTTP URL, its gRPC target (``host:port``, when
+    ``grpc_port`` is set) and its state."""
+
+    url: str
+    grpc_target: str | None
+    state: ServerState
+
+
 @contextmanager
 def run_in_thread(
     models: list[ServedModel], settings: ServeSettings | None = None, *, ready_timeout_s: float = 60
 ) -> Iterator[str]:
     """Serve from a background thread of this process; yields the base URL once ready."""
+    with serve_in_thread(models, settings, ready_timeout_s=ready_timeout_s) as handle:
+        yield handle.url
+
+
+@contextmanager
+def serve_in_thread(
+    models: list[ServedModel], settings: ServeSettings | None = None, *, ready_timeout_s: float = 60
+) -> Iterator[ServerHandle]:
+    """:func:`run_in_thread`, yielding a :class:`ServerHandle` (the gRPC target too)."""
     settings = settings or ServeSettings(port=0)
     sock = bind_socket(settings.host, settings.port)
     server = _server(models, settings)
@@ -127,7 +154,9 @@ def run_in_thread(
     try:
         _wait_ready(lambda: server.state.ready, lambda: not thread.is_alive(), ready_timeout_s,
                     server.state)  # fmt: skip
-        yield _url(sock)
+        front = server.state.grpc
+        target = None if front is None else f"{settings.host}:{front.port}"
+        yield ServerHandle(_url(sock), target, server.state)
     finally:
         server.should_exit = True
         thread.join(timeout=settings.drain_timeout_s + 5)
