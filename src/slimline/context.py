@@ -113,17 +113,28 @@ class StepContext:
         return self.compare_fn(cands)
 
     def within_budget(self, quality: Quality) -> tuple[bool, str]:
-        """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric."""
+        """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric: the
+        metric drop, ``min_agreement`` on the declared outputs, ``min_cosine`` on the others."""
         b = self.recipe.budget
+        if quality.metric_error is not None:
+            return False, quality.metric_error
         drop = self.reference.metric - quality.metric
         if drop > b.max_metric_drop:
             return False, (
                 f"metric drop {drop:.4f} > budget {b.max_metric_drop:.4f} "
                 f"({self.task.metric_name} {quality.metric:.4f} vs FP32 {self.reference.metric:.4f})"
             )
-        if quality.cosine_mean < b.min_cosine:
-            return False, f"mean cosine {quality.cosine_mean:.4f} < budget {b.min_cosine:.4f}"
-        return True, f"within budget (drop {drop:.4f}, cosine {quality.cosine_mean:.4f})"
+        if quality.agreement is not None and not quality.agreement >= b.min_agreement:
+            return False, (
+                f"agreement {quality.agreement:.4f} < budget {b.min_agreement:.4f} "
+                f"({quality.declared_text()})"
+            )
+        cos = quality.cosine_judged
+        if cos is not None and cos < b.min_cosine:
+            return False, f"mean cosine {cos:.4f} < budget {b.min_cosine:.4f}"
+        if quality.agreement is None:
+            return True, f"within budget (drop {drop:.4f}, cosine {quality.cosine_mean:.4f})"
+        return True, f"within budget (drop {drop:.4f}; {quality.declared_text()})"
 
     def warn(self, message: str) -> None:
         import logging

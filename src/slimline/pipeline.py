@@ -132,6 +132,8 @@ def run_recipe(
         recipe.eval_samples,
         batch_axes=recipe.batch_axes(),
         primary_output=recipe.primary_output,
+        outputs=recipe.outputs,
+        metric=recipe.metric,
     )
     problem = check_order(recipe.steps, start_forms(task.is_onnx))
     if problem:  # the recipe checked the task's file name; this checks what it loaded
@@ -701,6 +703,7 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
         "packages": package_versions(MEASURE_PACKAGES),
         "target": r.target.key_dict(),
         "budget": r.budget.key_dict(),
+        **({"judging": r.judging()} if r.outputs or r.metric else {}),
         "bench": r.bench.key_dict(),
     }
 

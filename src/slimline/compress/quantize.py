@@ -128,7 +128,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
     version=5,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py)
-    reads=("target", "budget", "bench"),
+    reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
 def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Candidate:
