@@ -51,6 +51,12 @@ class Task:
     def is_onnx(self) -> bool:
         return self.onnx_path is not None
 
+    @property
+    def metric_is_fidelity(self) -> bool:
+        """An ONNX task without a metric hook: its metric is the primary output's cosine to
+        FP32, a fidelity figure (judged by the declarations where outputs are declared)."""
+        return self.is_onnx and self.metric_hook is None
+
     def sample_inputs(self, batch: int = 1) -> Inputs:
         """The first ``batch`` rows of calibration data, for export, warm-up and benchmarks."""
         rows = take_samples(self.calibration_data(), batch, self.signature)
