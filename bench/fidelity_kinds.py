@@ -97,7 +97,7 @@ def candidates(m: dict[str, Any]) -> dict[str, Any]:
         fid = c.get("fidelity") or {}
         if "cosine_mean" not in fid:
             continue
-        declared = next(iter((fid.get("declared") or {}).values()), {})
+        declared: dict[str, Any] = next(iter((fid.get("declared") or {}).values()), {})
         rows.append(
             {
                 "name": c["name"],

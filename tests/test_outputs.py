@@ -112,3 +112,15 @@ def test_profile_suggests_ctc_and_probability_map_in_one_line() -> None:
     assert suggest("scores", rng.normal(size=(4, 10)).astype(np.float32)) is None
     assert suggest("feat", rng.normal(size=(4, 1, 16, 16)).astype(np.float32)) is None  # not [0, 1]
     assert suggest("seq", rng.normal(size=(4, 40, 8)).astype(np.float32)) is None  # small V
+
+
+def test_cache_keys_follow_the_declarations_and_the_hooks_code(tmp_path: Path) -> None:
+    hook = tmp_path / "hook.py"
+    hook.write_text("def f1(outputs, labels):\n    return 1.0\n")
+    r = recipe_from_dict(_onnx_recipe(metric=f"{hook}:f1"))
+    before = r.judging()
+    hook.write_text("def f1(outputs, labels):\n    return 0.5\n")
+    assert r.judging() != before
+    ctc = recipe_from_dict(_onnx_recipe(outputs={"y": {"kind": "ctc"}}))
+    assert ctc.judging()["outputs"] == {"y": {"kind": "ctc", "blank": 0}}
+    assert ctc.judging() != recipe_from_dict(_onnx_recipe()).judging()

@@ -185,7 +185,21 @@ class Recipe(Config):
             for part in path.split("."):
                 value = getattr(value, part)
             out[path] = _key_json(value)
+            if path in ("outputs", "metric"):  # what a hook computes depends on its code
+                out[f"{path}.code"] = self._hook_code(path)
         return out
+
+    def _hook_code(self, path: str) -> dict[str, str]:
+        """Content hashes of the hook files the ``outputs`` or ``metric`` field names."""
+        from .candidate import file_hash
+
+        refs = (
+            [self.metric]
+            if path == "metric"
+            else [d.decode for d in self.outputs.values() if isinstance(d, BoxesOutput)]
+        )
+        files = {r.rpartition(":")[0] for r in refs if r}
+        return {f: file_hash(Path(f)) for f in sorted(files) if Path(f).is_file()}
 
     def judging(self) -> dict[str, Any]:
         """What a candidate's verdict depends on besides the budget: the output declarations
