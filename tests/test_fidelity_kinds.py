@@ -301,3 +301,21 @@ def test_optimize_records_agreement_beside_cosine_and_profile_suggests(
     assert len(said) == 1 and "{x_out: {kind: probability_map" in said[0]
     prof = json.loads((tmp_path / "prof" / "manifest.json").read_text())
     assert "agreement" not in prof["candidates"][0]["fidelity"]  # suggested, never applied
+
+
+def test_evaluate_rows_judges_the_first_rows_against_fp32s_on_the_same_rows(
+    tmp_path: Path,
+) -> None:
+    kinds = {"outputs": {"x_out": {"kind": "probability_map", "threshold": 0.5}}}
+    _, recipe = _setup(tmp_path, _maps(16, 0), _maps(8, 1), **kinds)
+    ctx = _context(tmp_path, recipe)
+    dims: list[int | None] = [None, 1, 8, 8]
+    delta = np.zeros((1, 8, 8), np.float32)
+    cand = Candidate(
+        "c", "quantize", None, onnx=shifted_model(tmp_path / "c.onnx", dims, delta, 0.5)
+    )
+    q = ctx.evaluate_rows(cand, 3)
+    assert q is not None and q.agreement == 0.0 and q.cosine_mean == pytest.approx(1.0)
+    same = Candidate("s", "quantize", None, onnx=tmp_path / "fp32.onnx")
+    q = ctx.evaluate_rows(same, 3)
+    assert q is not None and q.agreement == 1.0 and q.metric == pytest.approx(1.0)

@@ -26,10 +26,12 @@ from .task import Task
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
 
-__all__ = ["Compare", "Evaluate", "StepContext", "step_key_parts"]
+__all__ = ["Compare", "Evaluate", "EvaluateRows", "StepContext", "step_key_parts"]
 
 # Task metric and fidelity of a candidate against the FP32 reference outputs.
 Evaluate = Callable[[Candidate], "Quality"]
+# The same on the first rows of the evaluation data only (see StepContext.evaluate_rows).
+EvaluateRows = Callable[[Candidate, int], "Quality | None"]
 # Latency of candidates timed interleaved, keyed by name (see StepContext.compare).
 Compare = Callable[[list[Candidate]], dict[str, dict[str, Any]]]
 
@@ -77,6 +79,7 @@ class StepContext:
     # their optional timings
     evaluate_fn: Evaluate | None = None
     compare_fn: Compare | None = None
+    evaluate_rows_fn: EvaluateRows | None = None
 
     @property
     def threads(self) -> int:
@@ -103,6 +106,12 @@ class StepContext:
         """Task metric and fidelity of ``cand`` against the FP32 reference outputs."""
         assert self.evaluate_fn is not None, "this StepContext was built without evaluate_fn"
         return self.evaluate_fn(cand)
+
+    def evaluate_rows(self, cand: Candidate, rows: int) -> Quality | None:
+        """Quality of ``cand`` on the first ``rows`` evaluation rows against FP32's on the same
+        rows; None where the context cannot cut the evaluation (no ``evaluate_rows_fn``, or
+        labels that are not an array of rows)."""
+        return self.evaluate_rows_fn(cand, rows) if self.evaluate_rows_fn is not None else None
 
     def compare(self, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
         """Latency of ``cands`` measured interleaved (A B C A B C ...), keyed by name.

@@ -300,6 +300,7 @@ def _context(run: Run, workdir: Path) -> StepContext:
         data_hashes=run.hashes,
         evaluate_fn=lambda c: _quality(run, c),
         compare_fn=lambda cs: _compare(run, cs),
+        evaluate_rows_fn=lambda c, rows: _quality_rows(run, c, rows),
     )
 
 
@@ -644,6 +645,19 @@ def _quality(run: Run, cand: Candidate, runtime: str | None = None) -> Quality:
     if key is not None:
         run.qualities[key] = quality
     return quality
+
+
+def _quality_rows(run: Run, cand: Candidate, rows: int) -> Quality | None:
+    """Metric and fidelity of ``cand`` on the first ``rows`` evaluation rows, on the run's first
+    runtime, against FP32's on those rows (:func:`~slimline.measure.screen.subset_reference`)."""
+    from .measure.screen import subset_reference
+
+    assert run.reference is not None
+    ref = subset_reference(run.reference, run.task, rows)
+    if ref is None:
+        return None
+    runner = make_runner(cand, run.threads, run.task.signature, run.runtimes[0])
+    return evaluate(runner, run.task, ref, rows)
 
 
 def _compare(

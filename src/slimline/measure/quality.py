@@ -25,7 +25,15 @@ from ..signature import concat_outputs, n_rows, rows_first
 from ..task import Task, iter_rows
 from .runners import Runner
 
-__all__ = ["Quality", "Reference", "collect_outputs", "evaluate", "fidelity", "make_reference"]
+__all__ = [
+    "Quality",
+    "Reference",
+    "collect_outputs",
+    "evaluate",
+    "fidelity",
+    "make_reference",
+    "metric_of",
+]
 
 
 @dataclass
@@ -159,7 +167,7 @@ def make_reference(runner: Runner, task: Task, limit: int | None) -> Reference:
     """FP32's outputs and metric; the output declarations are checked against them here,
     before any candidate is judged."""
     outputs, labels, every = collect_outputs(runner, task, limit)
-    metric, error = _metric(task, outputs, labels, every)
+    metric, error = metric_of(task, outputs, labels, every)
     if error is not None:
         raise TaskError(f"{error} on the FP32 model's outputs; fix the hook")
     if task.judge is not None:
@@ -170,7 +178,7 @@ def make_reference(runner: Runner, task: Task, limit: int | None) -> Reference:
 def evaluate(runner: Runner, task: Task, reference: Reference, limit: int | None) -> Quality:
     outputs, labels, every = collect_outputs(runner, task, limit)
     logits = task.output_kind == "logits"
-    metric, error = _metric(task, outputs, labels, every)
+    metric, error = metric_of(task, outputs, labels, every)
     base: dict[str, Any]
     if task.signature is None or reference.all_outputs is None:
         base = fidelity(outputs, reference.outputs, logits)
@@ -184,7 +192,7 @@ def evaluate(runner: Runner, task: Task, reference: Reference, limit: int | None
     return q
 
 
-def _metric(
+def metric_of(
     task: Task, outputs: np.ndarray, labels: Any, every: dict[str, np.ndarray]
 ) -> tuple[float, str | None]:
     """(metric, error): the task's metric, or its metric hook on every output; a hook that

@@ -21,6 +21,7 @@ from ...errors import StepError, error_text, is_user_error
 from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
+from ...measure.screen import best_case
 from ...records import SearchRecord, TrialDescription
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
@@ -45,6 +46,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("slimline.quantize")
+
+SCREEN_MIN_ROWS = 8  # screening evaluates a quarter of the rows, at least this many
 
 NOT_BUILT: dict[str, Any] = {
     "int8_kernels": 0,
@@ -181,6 +184,7 @@ class Trial:
     budget_reason: str = ""
     notes: list[str] = field(default_factory=list)
     failure: str | None = None  # why this trial could not be built, checked, evaluated or timed
+    screened: str | None = None  # rejected on a subset of the rows: the rows, and why
 
     @property
     def name(self) -> str:
@@ -250,14 +254,40 @@ class Search:
         return trial
 
     def judge(self, trial: Trial) -> Trial:
+        """Quality and budget verdict of ``trial``: on a subset of the rows first
+        (:meth:`screen`), on all of them unless the subset puts the budget out of reach."""
         if trial.failure:
             return trial
         try:
+            if self.screen(trial):
+                return trial
             trial.quality = self.ctx.evaluate(self.candidate(trial))
         except Exception as err:
             return self.fail(trial, "evaluating", err)
         trial.budget_ok, trial.budget_reason = self.ctx.within_budget(trial.quality)
         return trial
+
+    def screen(self, trial: Trial) -> bool:
+        """Whether ``trial`` is over budget by its first rows alone: even with every other row
+        matching FP32, it would miss (:func:`~slimline.measure.screen.best_case`)."""
+        n = len(self.ctx.reference.outputs)
+        k = max(SCREEN_MIN_ROWS, n // 4)
+        if not self.cfg.screen or n < 2 * k:
+            return False
+        with self.timed("screen"):
+            q = self.ctx.evaluate_rows(self.candidate(trial), k)
+        if q is None:
+            return False
+        ok, why = self.ctx.within_budget(best_case(q, self.ctx.task, k, n))
+        if ok:
+            return False
+        trial.quality, trial.budget_ok = q, False
+        trial.screened = f"{k} of {n} rows"
+        trial.budget_reason = (
+            f"over budget on the first {k} of {n} evaluation rows, even if the other {n - k} "
+            f"matched FP32 exactly: at best {why}"
+        )
+        return True
 
     def usable(self) -> list[Trial]:
         return [t for t in self.trials if t.failure is None]
@@ -356,7 +386,8 @@ def search(
     if not any(t.latency for t in s.usable()):
         raise all_failed(s)
     good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
-    if not good and s.cfg.mixed_precision:
+    mixed_tried = not good and s.cfg.mixed_precision
+    if mixed_tried:
         untimed = [t for t in s.usable() if t.latency is None]
         if untimed:
             with s.timed("compare"):
@@ -374,6 +405,7 @@ def search(
     else:
         chosen = _best_effort(s)
         record["no_candidate_met_budget"] = _why_none(s)
+    record["stopped"] = _stopped(s, good, mixed_tried)
     rejected = [t for t in s.trials if t is not chosen]
     return chosen, rejected, record
 
@@ -418,6 +450,27 @@ def all_failed(s: Search) -> StepError:
         f"every quantized candidate failed ({len(s.trials)}): {reasons}",
         details={"candidates": [{"name": t.name, "reason": s.reason(t)} for t in s.trials]},
     )
+
+
+def _stopped(s: Search, good: list[Trial], mixed_tried: bool) -> str:
+    """Why the search ended where it did, for the manifest."""
+    screened = [t for t in s.trials if t.screened]
+    rows = (
+        f" ({len(screened)} of {len(s.trials)} trials over budget on a subset of the "
+        f"evaluation rows, not evaluated on the rest)"
+        if screened
+        else ""
+    )
+    if good and not mixed_tried:
+        why = f"{len(good)} of {len(s.trials)} candidates faster than FP32 and within budget"
+        return f"{why}; mixed precision not needed{rows}"
+    if not s.cfg.mixed_precision:
+        return f"no candidate faster than FP32 and within budget; mixed precision is off{rows}"
+    ends = [e for e in s.mixed_trace if "result" in e or "skipped" in e]
+    last: dict[str, Any] = ends[-1] if ends else {}
+    why = str(last.get("result") or last.get("skipped") or "mixed precision found no plan")
+    verdict = "met the budget" if good else "did not meet the budget"
+    return f"mixed precision {verdict}: {why}{rows}"
 
 
 def _why_none(s: Search) -> str:
