@@ -137,3 +137,40 @@ def test_the_search_records_why_it_stopped(tmp_path: Path) -> None:
     why = _stopped(s, [], mixed_tried=True)
     assert why.startswith("mixed precision did not meet the budget: even 12 nodes in float")
     assert "1 of 1 trials over budget on a subset of the evaluation rows" in why
+
+
+def test_mixed_precision_stops_when_the_float_share_cannot_reach_the_budget(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx
+
+    from slimline.compress.quant.auto import mixed_precision
+    from slimline.compress.quant.calibrate import calibrate
+    from slimline.compress.quant.plan import resolve_plan
+    from slimline.compress.quant.prepare import prepare
+
+    prepared = prepare(cnn_onnx, tmp_path / "p", cnn_inputs(0, 1))
+    calib = calibrate(
+        prepared.path,
+        list(batches(cnn_inputs, 4, 16)),
+        tmp_path / "c",
+        samples=64,
+        methods={"minmax"},
+    )
+    plan = resolve_plan(prepared.compute_nodes, {}, keep_first_last_float=False)
+    task = cnn_task(cnn_onnx)
+    # a cosine of exactly 1 is out of reach of any model with a node in INT8, on every CPU kind
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "w", {"min_cosine": 1.0})
+    cfg = QuantizeConfig(max_float_share=0.5, layerwise_samples=8, impact_nodes=8)
+    s = Search(
+        ctx, cfg, prepared, calib.caches, tmp_path / "q", lambda: (x for x, _ in task.eval_data())
+    )
+    (tmp_path / "q").mkdir()
+    base = s.judge(s.build(QuantSpec("static"), plan))
+    assert not base.budget_ok
+    best = mixed_precision(s, base)
+    assert best is not None and not best.budget_ok
+    assert [t for t in s.mixed_trace if "float_nodes" in t] == [s.mixed_trace[0]]  # one probe
+    result = s.mixed_trace[-1]["result"]
+    assert result.startswith("out of reach: even the ") and "(max_float_share 0.5)" in result
+    assert not any("impact" in t for t in s.mixed_trace)  # no evaluation per node was spent

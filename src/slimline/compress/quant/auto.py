@@ -513,7 +513,6 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     if not ranking:
         return None
     hi = max(1, int(s.cfg.max_float_share * len(ranking)))
-    ranking = _impact_order(s, base, ranking)
     probes: dict[int, Trial] = {}
 
     def probe(k: int) -> Trial:
@@ -528,9 +527,24 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
                 "ok": trial.budget_ok,
                 "reason": trial.budget_reason,
                 "fidelity": trial.quality.fidelity_dict() if trial.quality else None,
+                **({"screened": trial.screened} if trial.screened else {}),
             }
         )
         return trial
+
+    if s.cfg.impact_nodes > 0 and not probe(hi).budget_ok:
+        # the float share allowed cannot reach the budget in layer-wise order: measuring each
+        # node's output impact (one evaluation per node) would only reorder a lost cause
+        s.mixed_trace.append(
+            {
+                "result": f"out of reach: even the {hi} worst-ranked of {len(ranking)} nodes "
+                f"(max_float_share {s.cfg.max_float_share}) in float miss the budget; "
+                "output impact not measured",
+            }
+        )
+        return probes[hi]
+    ranking = _impact_order(s, base, ranking)
+    probes.clear()
 
     if not probe(hi).budget_ok:
         s.mixed_trace.append({"result": f"even {hi} nodes in float miss the budget"})
@@ -572,11 +586,11 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
                 base.spec,
                 base.plan.float_nodes,
                 measured,
-                lambda path: _budget_cosine(s, path),
+                lambda path: _budget_score(s, path),
                 s.caches,
                 "size" if s.objective == "size" else "latency",
                 progress,
-                base.quality.cosine_mean if base.quality else None,  # judged already
+                budget_score(base.quality, s.ctx) if base.quality and not base.screened else None,
             )
     except Exception as err:  # a probe the quantizer or runtime refused: rank as before
         if is_user_error(err):
@@ -587,18 +601,30 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
     s.mixed_trace.append(
         {
             "impact": [i.to_dict() for i in sorted(impacts, key=lambda i: -i.score)],
-            "base_cosine": base.quality.cosine_mean if base.quality else None,
+            "base_score": budget_score(base.quality, s.ctx) if base.quality else None,
             "order": order[: len(measured)],
         }
     )
     return order
 
 
-def _budget_cosine(s: Search, path: Path) -> float:
-    """Mean cosine of the model at ``path`` to the FP32 reference outputs: what the budget's
-    ``min_cosine`` is judged on."""
+def _budget_score(s: Search, path: Path) -> float:
+    """:func:`budget_score` of the model at ``path``."""
     probe = Candidate(name="quantize:impact-probe", step="quantize", parent=None, onnx=path)
-    return float(s.ctx.evaluate(probe).cosine_mean)
+    return budget_score(s.ctx.evaluate(probe), s.ctx)
+
+
+def budget_score(q: Quality, ctx: StepContext) -> float:
+    """What the budget judges, as one number that grows toward FP32: the mean cosine to the
+    FP32 outputs; with outputs declared by kind, the smaller margin of the declared agreement
+    over ``min_agreement`` and of the other outputs' cosine over ``min_cosine``."""
+    if q.agreement is None:
+        return float(q.cosine_mean)
+    b = ctx.recipe.budget
+    margins = [q.agreement - b.min_agreement]
+    if q.cosine_judged is not None:
+        margins.append(q.cosine_judged - b.min_cosine)
+    return float(min(margins))
 
 
 def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescription:
