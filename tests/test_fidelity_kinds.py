@@ -319,3 +319,25 @@ def test_evaluate_rows_judges_the_first_rows_against_fp32s_on_the_same_rows(
     same = Candidate("s", "quantize", None, onnx=tmp_path / "fp32.onnx")
     q = ctx.evaluate_rows(same, 3)
     assert q is not None and q.agreement == 1.0 and q.metric == pytest.approx(1.0)
+
+
+def test_a_torch_task_declares_its_one_output_as_output(
+    tiny_task_file: Path, tiny_recipe: dict, tmp_path: Path, cache: Path
+) -> None:
+    from slimline.recipe import recipe_from_dict
+
+    r = recipe_from_dict({**tiny_recipe, "outputs": {"output": {"kind": "logits"}}})
+    task = load_task(str(tiny_task_file), outputs=r.outputs)
+    ctx = api.context_for(task, r, tmp_path / "w", timed=False, cache=cache)
+    q = ctx.evaluate(ctx.baseline)
+    assert q.agreement == 1.0 and q.declared is not None
+    assert q.declared["output"]["kind"] == "logits" and ctx.within_budget(q)[0]
+    wrong = recipe_from_dict({**tiny_recipe, "outputs": {"logits": {"kind": "logits"}}})
+    with pytest.raises(RecipeError, match=r"'logits' is not an output of the model .*output"):
+        api.context_for(
+            load_task(str(tiny_task_file), outputs=wrong.outputs),
+            wrong,
+            tmp_path / "x",
+            timed=False,
+            cache=cache,
+        )
