@@ -48,9 +48,9 @@ DECLARED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def run_model(name: str, work: Path, limit_s: float) -> dict[str, Any]:
+def run_model(name: str, work: Path, limit_s: float, quick: bool) -> dict[str, Any]:
     m = zoo.BY_NAME[name]
-    rec_path = zoo.prepare(m, work, quick=False)
+    rec_path = zoo.prepare(m, work, quick=quick)
     rec = yaml.safe_load(rec_path.read_text())
     decl, why = DECLARED[name]
     rec["outputs"] = decl
@@ -135,14 +135,18 @@ def _figures(f: dict[str, Any]) -> str:
     )
 
 
-def markdown(results: list[dict[str, Any]], cmd: str) -> str:
+def markdown(results: list[dict[str, Any]], cmd: str, quick: bool) -> str:
+    recipe = (
+        "bench/zoo.py's quick recipe (quantize only, 2 x 100 timed runs, no peak RSS)"
+        if quick
+        else "bench/zoo.py's graph + quantize"
+    )
     lines = [
         "## Fidelity by output kind on zoo models",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, CPU: {zoo.cpu_kind()}, "
-        f"{zoo.THREADS} threads, recipe: bench/zoo.py's graph + quantize on the model's real "
-        "inputs, with the output declared by kind and `budget: {min_agreement: 0.99, "
-        "min_cosine: 0.99}`. 'cosine judge' is the verdict the old rule (mean cosine >= 0.99) "
+        f"{zoo.THREADS} threads, recipe: {recipe} on the model's real inputs, with the output "
+        "declared by kind and `budget: {min_agreement: 0.99, min_cosine: 0.99}`. 'cosine judge' is the verdict the old rule (mean cosine >= 0.99) "
         "gives the same candidate; 'agreement' is what the budget judged.",
         "",
         "| model | declared | candidate | cosine | cosine judge | agreement | figures | kept | "
@@ -176,16 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=HERE / "out" / "fidelity-kinds")
     ap.add_argument("--limit", type=float, default=zoo.TIME_LIMIT_S, help="seconds per model")
     ap.add_argument("--out", type=Path, help="write the markdown here (and .json beside)")
+    ap.add_argument("--quick", action="store_true", help="bench/zoo.py's quick recipe")
     args = ap.parse_args(argv)
     results = []
     for name in args.only or list(DECLARED):
         print(f"fidelity-kinds: {name} ...", file=sys.stderr, flush=True)
-        results.append(run_model(name, args.work / name, args.limit))
+        results.append(run_model(name, args.work / name, args.limit, args.quick))
         print(f"fidelity-kinds: {name}: exit {results[-1]['exit']}", file=sys.stderr, flush=True)
     cmd = reproduce_command("fidelity_kinds.py", argv)
-    publish(
-        markdown(results, cmd), {"cpu": zoo.cpu_kind(), "command": cmd, "models": results}, args.out
-    )
+    doc = {"cpu": zoo.cpu_kind(), "command": cmd, "quick": args.quick, "models": results}
+    publish(markdown(results, cmd, args.quick), doc, args.out)
     return 0
 
 
