@@ -110,13 +110,51 @@ def candidates(m: dict[str, Any]) -> dict[str, Any]:
                 "p50_ratio": _ratio(c, m),
             }
         )
-    return {"status": m["status"], "selected": m.get("selected"), "candidates": rows}
+    return {
+        "status": m["status"],
+        "selected": m.get("selected"),
+        "candidates": rows,
+        "quantize_search": search_record(m),
+        "run_wall_s": m.get("wall_seconds"),
+    }
+
+
+def search_record(m: dict[str, Any]) -> dict[str, Any] | None:
+    """The quantize step's wall time, where it went, how many trials were screened on a subset
+    of the rows, and why its search stopped."""
+    q = next((c for c in m["candidates"] if c["name"] == "quantize"), None)
+    meta = (q or {}).get("meta") or {}
+    search = meta.get("search") or {}
+    if not search:
+        return None
+    trials = search.get("candidates") or []
+    return {
+        "step_wall_s": meta.get("step_wall_s"),
+        "timings_s": meta.get("timings_s"),
+        "trials": len(trials),
+        "screened": sum(1 for t in trials if t.get("screened")),
+        "stopped": search.get("stopped"),
+    }
 
 
 def _ratio(c: dict[str, Any], m: dict[str, Any]) -> float | None:
+    """p50 over FP32's: the final benchmark's, or for an alternative its search's."""
     base = next((x for x in m["candidates"] if x["name"] == "fp32-onnx"), None)
     p, b = (c.get("latency_ms") or {}).get("p50"), ((base or {}).get("latency_ms") or {}).get("p50")
-    return round(p / b, 3) if p and b else None
+    if p and b:
+        return round(float(p) / float(b), 3)
+    ratio = (c.get("meta") or {}).get("latency_ratio_vs_fp32")
+    return round(float(ratio), 3) if ratio else None
+
+
+def rendered(name: str, work: Path) -> dict[str, Any]:
+    """A model's result from its work folder, without running it again."""
+    decl, why = DECLARED[name]
+    manifest = json.loads((work / "run" / "manifest.json").read_text())
+    out: dict[str, Any] = {"model": name, "declared": decl, "why": why, "exit": 0}
+    out.update(candidates(manifest))
+    out["wall_s"] = out["run_wall_s"]
+    return out
 
 
 def _figures(f: dict[str, Any]) -> str:
@@ -166,6 +204,15 @@ def markdown(results: list[dict[str, Any]], cmd: str, quick: bool) -> str:
                 f"{_figures(c['figures'])} | {'yes' if c['accepted'] else 'no'} | "
                 f"{c['p50_ratio'] if c['p50_ratio'] is not None else '-'} |"
             )
+    lines += ["", "The quantize step's search (item 4 of issue 27):", ""]
+    for r in results:
+        q = r.get("quantize_search")
+        if q:
+            lines.append(
+                f"- {r['model']}: quantize step {q['step_wall_s']} s, {q['trials']} trials, "
+                f"{q['screened']} rejected on a subset of the rows; stopped: {q['stopped']}; "
+                f"time by phase (s): {q['timings_s']}"
+            )
     lines += ["", "Why each declaration:", ""]
     lines += [
         f"- {r['model']}: {r['why']}; selected {r.get('selected')}, {r['wall_s']} s"
@@ -181,9 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float, default=zoo.TIME_LIMIT_S, help="seconds per model")
     ap.add_argument("--out", type=Path, help="write the markdown here (and .json beside)")
     ap.add_argument("--quick", action="store_true", help="bench/zoo.py's quick recipe")
+    ap.add_argument(
+        "--render", action="store_true", help="run nothing: the table from the work folders"
+    )
     args = ap.parse_args(argv)
     results = []
     for name in args.only or list(DECLARED):
+        if args.render:
+            results.append(rendered(name, args.work / name))
+            continue
         print(f"fidelity-kinds: {name} ...", file=sys.stderr, flush=True)
         results.append(run_model(name, args.work / name, args.limit, args.quick))
         print(f"fidelity-kinds: {name}: exit {results[-1]['exit']}", file=sys.stderr, flush=True)
