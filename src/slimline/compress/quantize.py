@@ -247,6 +247,8 @@ def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
         "metric": {"name": ctx.task.metric_name, "value": t.quality.metric},
         "fidelity": t.quality.fidelity_dict(),
     }
+    if t.screened:  # its figures are those of the rows it was screened out on
+        out["fidelity"]["rows"] = t.screened
     if t.latency is not None:
         out["latency_ms"] = t.latency
     return out
