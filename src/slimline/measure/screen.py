@@ -20,9 +20,20 @@ import numpy as np
 from ..task import Task
 from .quality import Quality, Reference, metric_of
 
-__all__ = ["ROW_MEAN_KINDS", "best_case", "subset_reference"]
+__all__ = ["ROW_MEAN_KINDS", "best_case", "can_screen", "subset_reference"]
 
 ROW_MEAN_KINDS = frozenset({"logits", "probability_map"})
+
+
+def can_screen(task: Task, reference: Reference) -> bool:
+    """Whether a subset can ever put the budget out of reach: some output is judged by a row
+    mean (cosine where undeclared, or a declared kind of :data:`ROW_MEAN_KINDS`)."""
+    if task.judge is None:
+        return True
+    declared = task.judge.declared
+    outputs = reference.all_outputs or {"output": reference.outputs}
+    undeclared = any(name not in declared for name in outputs)
+    return undeclared or any(d.kind in ROW_MEAN_KINDS for d in declared.values())
 
 
 def subset_reference(reference: Reference, task: Task, rows: int) -> Reference | None:

@@ -174,3 +174,27 @@ def test_mixed_precision_stops_when_the_float_share_cannot_reach_the_budget(
     result = s.mixed_trace[-1]["result"]
     assert result.startswith("out of reach: even the ") and "(max_float_share 0.5)" in result
     assert not any("impact" in t for t in s.mixed_trace)  # no evaluation per node was spent
+
+
+def test_outputs_judged_only_by_non_row_means_are_not_screened(tmp_path: Path) -> None:
+    from slimline.measure.judge import Judge
+    from slimline.measure.screen import can_screen
+    from slimline.outputs import CtcOutput, ProbabilityMapOutput
+
+    ref = Reference(
+        outputs=np.zeros((64, 3), np.float32),
+        labels=None,
+        metric=1.0,
+        all_outputs={"text": np.zeros((64, 3), np.float32)},
+    )
+    ctc = Task(**{**_task().__dict__, "judge": Judge({"text": CtcOutput()})})
+    assert not can_screen(ctc, ref)  # CER: no bound from a subset
+    maps = Task(**{**_task().__dict__, "judge": Judge({"text": ProbabilityMapOutput()})})
+    assert can_screen(maps, ref) and can_screen(_task(), ref)
+    full: list[str] = []
+    ctx = _ctx(64, full, _quality(0.5))
+    ctx.task = ctc
+    ctx.reference = ref
+    s, trial = _search(ctx, tmp_path)
+    s.judge(trial)
+    assert full == [trial.name] and "screen" not in s.timings  # no subset was evaluated

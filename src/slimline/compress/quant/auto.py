@@ -21,7 +21,7 @@ from ...errors import StepError, error_text, is_user_error
 from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
-from ...measure.screen import best_case
+from ...measure.screen import best_case, can_screen
 from ...records import SearchRecord, TrialDescription
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
@@ -272,7 +272,7 @@ class Search:
         matching FP32, it would miss (:func:`~slimline.measure.screen.best_case`)."""
         n = len(self.ctx.reference.outputs)
         k = max(SCREEN_MIN_ROWS, n // 4)
-        if not self.cfg.screen or n < 2 * k:
+        if not self.cfg.screen or n < 2 * k or not can_screen(self.ctx.task, self.ctx.reference):
             return False
         with self.timed("screen"):
             q = self.ctx.evaluate_rows(self.candidate(trial), k)
