@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fidelity-kinds: {name} ...", file=sys.stderr, flush=True)
         results.append(run_model(name, args.work / name, args.limit, args.quick))
         print(f"fidelity-kinds: {name}: exit {results[-1]['exit']}", file=sys.stderr, flush=True)
-    cmd = reproduce_command("fidelity_kinds.py", argv)
+    given = sys.argv[1:] if argv is None else argv
+    cmd = reproduce_command("fidelity_kinds.py", [a for a in given if a != "--render"])
     doc = {"cpu": zoo.cpu_kind(), "command": cmd, "quick": args.quick, "models": results}
     publish(markdown(results, cmd, args.quick), doc, args.out)
     return 0
