@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 import zoo
@@ -26,9 +27,15 @@ from bench_out import publish, reproduce_command, reproduce_footer
 
 HERE = Path(__file__).resolve().parent
 DECODE = f"{HERE / 'fidelity_decode.py'}:ddddocr_yolox"
+HOOK = f"{HERE / 'fidelity_hooks.py'}:ppocr_cls_top1"
 
 # model -> (declaration, why this kind); thresholds as each package's own post-processing
 DECLARED: dict[str, tuple[dict[str, Any], str]] = {
+    "ppocr-cls": (
+        {"save_infer_model/scale_0.tmp_1": {"kind": "logits"}},
+        "text direction, 2 classes; with a metric hook (bench/fidelity_hooks.py) on the true "
+        "labels: each crop upright (class '0') and turned 180 degrees (class '180')",
+    ),
     "ppocr-det": (
         {"sigmoid_0.tmp_0": {"kind": "probability_map", "threshold": 0.3}},
         "DBNet text map; RapidOCR binarizes it at 0.3 (config.yaml `thresh`)",
@@ -48,6 +55,19 @@ DECLARED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+def _ppocr_cls_labels(evaluation: Path) -> str:
+    """Labels of the classifier's evaluation rows (bench/zoo_inputs.py stacks each crop upright,
+    then turned): 0, 1, 0, 1, ...; written into the evaluation file; returns the hook."""
+    with np.load(evaluation) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["labels"] = np.arange(len(arrays["x"])) % 2
+    np.savez(evaluation, **arrays)
+    return HOOK
+
+
+LABELLED = {"ppocr-cls": _ppocr_cls_labels}
+
+
 def run_model(name: str, work: Path, limit_s: float, quick: bool) -> dict[str, Any]:
     m = zoo.BY_NAME[name]
     rec_path = zoo.prepare(m, work, quick=quick)
@@ -55,6 +75,8 @@ def run_model(name: str, work: Path, limit_s: float, quick: bool) -> dict[str, A
     decl, why = DECLARED[name]
     rec["outputs"] = decl
     rec["budget"]["min_agreement"] = 0.99
+    if name in LABELLED:
+        rec["metric"] = LABELLED[name](work / "evaluation.npz")
     rec_path.write_text(yaml.safe_dump(rec, sort_keys=False))
     cmd = [
         sys.executable,
@@ -104,7 +126,10 @@ def candidates(m: dict[str, Any]) -> dict[str, Any]:
                 "accepted": bool(c.get("accepted")),
                 "cosine": fid["cosine_mean"],
                 "agreement": fid.get("agreement"),
-                "figures": {k: v for k, v in declared.items() if k not in ("kind", "cosine_mean")},
+                "figures": {
+                    **{k: v for k, v in declared.items() if k not in ("kind", "cosine_mean")},
+                    **_task_metric(c),
+                },
                 "cosine_verdict": fid["cosine_mean"] >= base["min_cosine"],
                 "reason": c.get("reason") or "",
                 "p50_ratio": _ratio(c, m),
@@ -117,6 +142,13 @@ def candidates(m: dict[str, Any]) -> dict[str, Any]:
         "quantize_search": search_record(m),
         "run_wall_s": m.get("wall_seconds"),
     }
+
+
+def _task_metric(c: dict[str, Any]) -> dict[str, Any]:
+    """A metric hook's value (an ONNX task's own metric is its cosine: not repeated)."""
+    metric = c.get("metric") or {}
+    name = metric.get("name")
+    return {name: metric.get("value")} if name and name != "fidelity" else {}
 
 
 def search_record(m: dict[str, Any]) -> dict[str, Any] | None:
@@ -167,6 +199,7 @@ def _figures(f: dict[str, Any]) -> str:
         "precision",
         "boxes_fp32",
         "boxes",
+        "ppocr_cls_top1",
     )
     return ", ".join(
         f"{k} {f[k]:.4f}" if isinstance(f[k], float) else f"{k} {f[k]}" for k in keep if k in f
