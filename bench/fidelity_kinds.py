@@ -237,6 +237,7 @@ def markdown(results: list[dict[str, Any]], cmd: str, quick: bool) -> str:
                 f"{_figures(c['figures'])} | {'yes' if c['accepted'] else 'no'} | "
                 f"{c['p50_ratio'] if c['p50_ratio'] is not None else '-'} |"
             )
+    lines += ["", *disagreements(results)]
     lines += ["", "The quantize step's search (item 4 of issue 27):", ""]
     for r in results:
         q = r.get("quantize_search")
@@ -252,6 +253,25 @@ def markdown(results: list[dict[str, Any]], cmd: str, quick: bool) -> str:
         for r in results
     ]
     return "\n".join(lines + reproduce_footer(cmd))
+
+
+def disagreements(results: list[dict[str, Any]]) -> list[str]:
+    """The candidates the cosine judge and the declared judge give different verdicts."""
+    rows = [
+        (r["model"], c)
+        for r in results
+        for c in r.get("candidates") or []
+        if c["agreement"] is not None and c["cosine_verdict"] != (c["agreement"] >= 0.99)
+    ]
+    total = sum(len(r.get("candidates") or []) for r in results)
+    out = [f"The two judges disagree on {len(rows)} of {total} candidates:", ""]
+    for model, c in rows:
+        side = "within" if c["cosine_verdict"] else "over"
+        out.append(
+            f"- {model} {c['name']}: cosine {c['cosine']:.4f} ({side} 0.99 by cosine), "
+            f"agreement {c['agreement']:.4f} ({_figures(c['figures'])})"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
