@@ -129,6 +129,7 @@ def candidates(m: dict[str, Any]) -> dict[str, Any]:
                 "figures": {
                     **{k: v for k, v in declared.items() if k not in ("kind", "cosine_mean")},
                     **_task_metric(c),
+                    **({"measured on": fid["rows"]} if fid.get("rows") else {}),
                 },
                 "cosine_verdict": fid["cosine_mean"] >= base["min_cosine"],
                 "reason": c.get("reason") or "",
@@ -200,6 +201,7 @@ def _figures(f: dict[str, Any]) -> str:
         "boxes_fp32",
         "boxes",
         "ppocr_cls_top1",
+        "measured on",
     )
     return ", ".join(
         f"{k} {f[k]:.4f}" if isinstance(f[k], float) else f"{k} {f[k]}" for k in keep if k in f
