@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +71,8 @@ LABELLED = {"ppocr-cls": _ppocr_cls_labels}
 
 def run_model(name: str, work: Path, limit_s: float, quick: bool) -> dict[str, Any]:
     m = zoo.BY_NAME[name]
+    if work.exists():  # a cold step cache, as bench/zoo.py runs each model
+        shutil.rmtree(work)
     rec_path = zoo.prepare(m, work, quick=quick)
     rec = yaml.safe_load(rec_path.read_text())
     decl, why = DECLARED[name]
