@@ -99,7 +99,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
         recipe = revalidated(recipe)  # the budget is checked as a file's would be
     run = run_recipe(recipe, args.out, cache=args.cache, remeasure=args.remeasure)
     _finish(run.out)
+    _suggest_kinds(run)
     return 0
+
+
+def _suggest_kinds(run: Any) -> None:
+    """One line per output that looks like a kind (:func:`slimline.outputs.suggest`): a
+    suggestion to declare it, never applied."""
+    from .outputs import suggest
+
+    outputs = (run.reference.all_outputs if run.reference else None) or {}
+    for name, values in outputs.items():
+        line = suggest(name, values)
+        if line:
+            print(f"suggestion: {line}")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

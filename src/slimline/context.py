@@ -26,10 +26,12 @@ from .task import Task
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
 
-__all__ = ["Compare", "Evaluate", "StepContext", "step_key_parts"]
+__all__ = ["Compare", "Evaluate", "EvaluateRows", "StepContext", "step_key_parts"]
 
 # Task metric and fidelity of a candidate against the FP32 reference outputs.
 Evaluate = Callable[[Candidate], "Quality"]
+# The same on the first rows of the evaluation data only (see StepContext.evaluate_rows).
+EvaluateRows = Callable[[Candidate, int], "Quality | None"]
 # Latency of candidates timed interleaved, keyed by name (see StepContext.compare).
 Compare = Callable[[list[Candidate]], dict[str, dict[str, Any]]]
 
@@ -77,6 +79,7 @@ class StepContext:
     # their optional timings
     evaluate_fn: Evaluate | None = None
     compare_fn: Compare | None = None
+    evaluate_rows_fn: EvaluateRows | None = None
 
     @property
     def threads(self) -> int:
@@ -104,6 +107,12 @@ class StepContext:
         assert self.evaluate_fn is not None, "this StepContext was built without evaluate_fn"
         return self.evaluate_fn(cand)
 
+    def evaluate_rows(self, cand: Candidate, rows: int) -> Quality | None:
+        """Quality of ``cand`` on the first ``rows`` evaluation rows against FP32's on the same
+        rows; None where the context cannot cut the evaluation (no ``evaluate_rows_fn``, or
+        labels that are not an array of rows)."""
+        return self.evaluate_rows_fn(cand, rows) if self.evaluate_rows_fn is not None else None
+
     def compare(self, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
         """Latency of ``cands`` measured interleaved (A B C A B C ...), keyed by name.
 
@@ -113,17 +122,31 @@ class StepContext:
         return self.compare_fn(cands)
 
     def within_budget(self, quality: Quality) -> tuple[bool, str]:
-        """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric."""
+        """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric: the
+        metric drop, ``min_agreement`` on the declared outputs, ``min_cosine`` on the others."""
         b = self.recipe.budget
+        if quality.metric_error is not None:
+            return False, quality.metric_error
         drop = self.reference.metric - quality.metric
-        if drop > b.max_metric_drop:
+        # declared outputs judge fidelity: the cosine an ONNX task has for a metric does not
+        by_kind = quality.declared is not None and self.task.metric_is_fidelity
+        if drop > b.max_metric_drop and not by_kind:
             return False, (
                 f"metric drop {drop:.4f} > budget {b.max_metric_drop:.4f} "
                 f"({self.task.metric_name} {quality.metric:.4f} vs FP32 {self.reference.metric:.4f})"
             )
-        if quality.cosine_mean < b.min_cosine:
-            return False, f"mean cosine {quality.cosine_mean:.4f} < budget {b.min_cosine:.4f}"
-        return True, f"within budget (drop {drop:.4f}, cosine {quality.cosine_mean:.4f})"
+        if quality.agreement is not None and not quality.agreement >= b.min_agreement:
+            return False, (
+                f"agreement {quality.agreement:.4f} < budget {b.min_agreement:.4f} "
+                f"({quality.declared_text()})"
+            )
+        cos = quality.cosine_judged
+        if cos is not None and cos < b.min_cosine:
+            return False, f"mean cosine {cos:.4f} < budget {b.min_cosine:.4f}"
+        if quality.agreement is None:
+            return True, f"within budget (drop {drop:.4f}, cosine {quality.cosine_mean:.4f})"
+        shown = "" if by_kind else f"drop {drop:.4f}; "
+        return True, f"within budget ({shown}{quality.declared_text()})"
 
     def warn(self, message: str) -> None:
         import logging

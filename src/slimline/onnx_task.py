@@ -7,6 +7,10 @@ a fixed batch of 1 is fed one row at a time. Calibration uses ``samples``; evalu
 ``eval_samples``, or, when there is none, rows held out of ``samples`` (never shared with
 calibration). The "labels" are the FP32 model's own primary output on the evaluation rows, and
 the metric is their mean cosine (fidelity); every output is compared by the pipeline.
+
+With a metric hook (a recipe's ``metric: file.py:function``), the labels are the array named
+``labels`` in ``eval_samples`` (rows on axis 0), and the metric is the hook called on every
+output (by name, rows first) and those labels.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataError, InputMismatchError, ModelFileError, RecipeError
+from .hooks import load_hook
 from .signature import (
     Dim,
     ModelInput,
@@ -36,6 +41,7 @@ from .tensors import Inputs
 __all__ = ["infer_batch_axes", "load_samples", "onnx_task", "split_held_out"]
 
 _BATCH = 16
+LABELS = "labels"  # the array of an eval_samples file that holds the labels, for a metric hook
 HELD_OUT_SHARE = 0.25  # of a single samples file, held out for evaluation
 
 
@@ -394,6 +400,8 @@ def _eval_rows(
         calibration, evaluation, note = split_held_out(data, sig, where)
         return calibration, evaluation, [note]
     evaluation = load_samples(eval_path)
+    if LABELS not in runner.model_inputs:  # a metric hook's labels (see onnx_task)
+        evaluation.pop(LABELS, None)
     # the calibration file's axes hold for the evaluation file: check it against them
     infer_batch_axes(runner.model_inputs, evaluation, sig.inputs, f"samples {eval_path.name}")
     return data, evaluation, [f"evaluation uses {eval_path.name}, calibration {where}"]
@@ -406,6 +414,7 @@ def onnx_task(
     *,
     batch_axes: Mapping[str, int | None] | None = None,
     primary_output: str | None = None,
+    metric: str | None = None,
 ) -> Task:
     from .measure.runners import OrtRunner
 
@@ -420,15 +429,20 @@ def onnx_task(
     where = f"samples {samples.name} for {path.name}"
     sig = _signature(runner, data, batch_axes or {}, primary_output, where)
     runner.signature = sig
+    labels = _labels(eval_samples, metric)
     calibration, evaluation, notes = _eval_rows(runner, sig, data, eval_samples, samples.name)
     primary = sig.primary_output
     assert primary is not None
+    if labels is not None:
+        _check_labels(labels, n_rows(evaluation, sig), eval_samples)
 
     def batches(rows: Inputs) -> Iterator[Inputs]:
         return split_rows(rows, _BATCH, sig)
 
     @cache
     def reference() -> np.ndarray:
+        if labels is not None:
+            return labels
         outs = concat_outputs([runner.run_all(b) for b in batches(evaluation)], sig)
         return rows_first(outs, sig)[primary]
 
@@ -445,12 +459,40 @@ def onnx_task(
         calibration_data=lambda: batches(calibration),
         eval_data=eval_data,
         metric=_mean_cosine,
-        metric_name="fidelity",
+        metric_name=metric.rpartition(":")[2] if metric else "fidelity",
         output_kind="other",
         onnx_path=path,
         signature=sig,
         notes=notes,
+        metric_hook=load_hook(metric, "metric") if metric else None,
     )
+
+
+def _labels(eval_samples: Path | None, metric: str | None) -> np.ndarray | None:
+    """The labels a metric hook reads: ``eval_samples``' array named ``labels``."""
+    if metric is None:
+        return None
+    if eval_samples is None:
+        raise RecipeError(
+            f"recipe metric: the hook {metric} needs labels; pass eval_samples, an .npz with "
+            f"the evaluation inputs and an array named {LABELS!r} (one row per sample)"
+        )
+    arrays = load_samples(eval_samples)
+    if LABELS not in arrays:
+        raise RecipeError(
+            f"recipe metric: eval_samples {eval_samples.name} has no array named {LABELS!r} "
+            f"(it has {', '.join(arrays)}); add the labels, one row per sample"
+        )
+    return arrays[LABELS]
+
+
+def _check_labels(labels: np.ndarray, rows: int, eval_samples: Path | None) -> None:
+    if labels.ndim == 0 or len(labels) != rows:
+        name = eval_samples.name if eval_samples else "eval_samples"
+        raise DataError(
+            f"samples {name}: {LABELS!r} has shape {list(labels.shape)} but the inputs have "
+            f"{rows} rows; give one label row per sample (axis 0)"
+        )
 
 
 def _mean_cosine(outputs: np.ndarray, labels: Any) -> float:

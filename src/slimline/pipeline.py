@@ -132,6 +132,8 @@ def run_recipe(
         recipe.eval_samples,
         batch_axes=recipe.batch_axes(),
         primary_output=recipe.primary_output,
+        outputs=recipe.outputs,
+        metric=recipe.metric,
     )
     problem = check_order(recipe.steps, start_forms(task.is_onnx))
     if problem:  # the recipe checked the task's file name; this checks what it loaded
@@ -298,6 +300,7 @@ def _context(run: Run, workdir: Path) -> StepContext:
         data_hashes=run.hashes,
         evaluate_fn=lambda c: _quality(run, c),
         compare_fn=lambda cs: _compare(run, cs),
+        evaluate_rows_fn=lambda c, rows: _quality_rows(run, c, rows),
     )
 
 
@@ -644,6 +647,19 @@ def _quality(run: Run, cand: Candidate, runtime: str | None = None) -> Quality:
     return quality
 
 
+def _quality_rows(run: Run, cand: Candidate, rows: int) -> Quality | None:
+    """Metric and fidelity of ``cand`` on the first ``rows`` evaluation rows, on the run's first
+    runtime, against FP32's on those rows (:func:`~slimline.measure.screen.subset_reference`)."""
+    from .measure.screen import subset_reference
+
+    assert run.reference is not None
+    ref = subset_reference(run.reference, run.task, rows)
+    if ref is None:
+        return None
+    runner = make_runner(cand, run.threads, run.task.signature, run.runtimes[0])
+    return evaluate(runner, run.task, ref, rows)
+
+
 def _compare(
     run: Run,
     cands: list[Candidate],
@@ -701,6 +717,7 @@ def _measure_key_parts(run: Run) -> dict[str, Any]:
         "packages": package_versions(MEASURE_PACKAGES),
         "target": r.target.key_dict(),
         "budget": r.budget.key_dict(),
+        **({"judging": r.judging()} if r.outputs or r.metric else {}),
         "bench": r.bench.key_dict(),
     }
 

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config import Config, StepConfig
 from .errors import RecipeError
+from .outputs import HOOK_PATTERN, BoxesOutput, OutputDecl
 from .steps import check_order, config_class, start_forms
 
 __all__ = [
@@ -59,7 +60,12 @@ class BudgetConfig(Config):
     """What a step may cost in quality, and what it must win to be kept."""
 
     max_metric_drop: float = Field(0.01, ge=0.0, description="absolute drop of the task metric")
-    min_cosine: float = Field(0.99, ge=-1.0, le=1.0, description="min mean cosine to FP32 outputs")
+    min_cosine: float = Field(
+        0.99, ge=-1.0, le=1.0, description="min mean cosine to FP32 of the undeclared outputs"
+    )
+    min_agreement: float = Field(
+        0.99, ge=0.0, le=1.0, description="min agreement of the outputs declared by kind"
+    )
     p99_ms: float | None = Field(None, gt=0.0, description="optional p99 latency target at batch 1")
     objective: Literal["latency", "size"] = "latency"
     min_gain: float = Field(
@@ -123,6 +129,17 @@ class Recipe(Config):
     primary_output: str | None = Field(
         None, description="ONNX task: the output the metric reads; default: the first"
     )
+    metric: str | None = Field(
+        None,
+        pattern=HOOK_PATTERN,
+        description="ONNX task: metric hook file.py:function(outputs, labels), labels in "
+        "eval_samples (an array named 'labels'); default: mean cosine to FP32",
+    )
+    outputs: dict[str, OutputDecl] = Field(
+        default_factory=dict,
+        description="output name -> its kind (logits, probability_map, ctc, boxes); "
+        "undeclared outputs are judged by cosine",
+    )
     target: TargetConfig = Field(default_factory=TargetConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
@@ -167,13 +184,33 @@ class Recipe(Config):
             value: Any = self
             for part in path.split("."):
                 value = getattr(value, part)
-            out[path] = value.key_dict() if isinstance(value, Config) else value
+            out[path] = _key_json(value)
+            if path in ("outputs", "metric"):  # what a hook computes depends on its code
+                out[f"{path}.code"] = self._hook_code(path)
         return out
+
+    def _hook_code(self, path: str) -> dict[str, str]:
+        """Content hashes of the hook files the ``outputs`` or ``metric`` field names."""
+        from .candidate import file_hash
+
+        refs = (
+            [self.metric]
+            if path == "metric"
+            else [d.decode for d in self.outputs.values() if isinstance(d, BoxesOutput)]
+        )
+        files = {r.rpartition(":")[0] for r in refs if r}
+        return {f: file_hash(Path(f)) for f in sorted(files) if Path(f).is_file()}
+
+    def judging(self) -> dict[str, Any]:
+        """What a candidate's verdict depends on besides the budget: the output declarations
+        and the metric hook (part of the key of every cached measurement and search)."""
+        return self.read(("outputs", "metric"))
 
     @model_validator(mode="after")
     def _onnx_keys_need_onnx(self) -> Recipe:
         onnx_only = {"eval_samples": self.eval_samples, "inputs": self.inputs}
         onnx_only["primary_output"] = self.primary_output
+        onnx_only["metric"] = self.metric
         given = [k for k, v in onnx_only.items() if v]
         if given and not self.task.endswith(".onnx"):
             raise ValueError(
@@ -201,6 +238,14 @@ class Recipe(Config):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _key_json(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value.key_dict()
+    if isinstance(value, dict):
+        return {k: _key_json(v) for k, v in value.items()}
+    return value
 
 
 def is_onnx_task(spec: str) -> bool:
@@ -244,10 +289,27 @@ def load_recipe(path: str | Path) -> Recipe:
             f"recipe {p} is not valid YAML ({err.__class__.__name__}); fix its syntax"
         ) from None
     recipe = recipe_from_dict(data, str(p))
-    # relative task/sample paths are relative to the recipe file
+    # relative task/sample/hook paths are relative to the recipe file
     updates: dict[str, Any] = {}
     for key in ("task", "samples", "eval_samples"):
         val = getattr(recipe, key)
         if val and (val.endswith((".py", ".onnx", ".npz"))) and not Path(val).is_absolute():
             updates[key] = str((p.parent / val).resolve())
+    if recipe.metric:
+        updates["metric"] = _beside(p, recipe.metric)
+    if any(isinstance(d, BoxesOutput) for d in recipe.outputs.values()):
+        updates["outputs"] = {
+            name: d.model_copy(update={"decode": _beside(p, d.decode)})
+            if isinstance(d, BoxesOutput)
+            else d
+            for name, d in recipe.outputs.items()
+        }
     return recipe.model_copy(update=updates) if updates else recipe
+
+
+def _beside(recipe_file: Path, hook: str) -> str:
+    """``file.py:function`` with a relative file resolved against the recipe's folder."""
+    file, _, func = hook.rpartition(":")
+    if Path(file).is_absolute():
+        return hook
+    return f"{(recipe_file.parent / file).resolve()}:{func}"

@@ -39,6 +39,7 @@ class TrialSummary(TypedDict):
     fidelity: dict[str, Any] | None
     metric: float | None
     failure: str | None
+    screened: str | None  # over budget on this subset of the rows, not evaluated on the rest
     size_bytes: int | None
 
 
@@ -50,6 +51,7 @@ class SearchRecord(TypedDict, total=False):
     fp32_latency_ms: dict[str, Any] | None
     mixed_precision: list[dict[str, Any]]
     no_candidate_met_budget: str
+    stopped: str  # why the search ended where it did
 
 
 class QuantizeAlternativeRecord(TypedDict):

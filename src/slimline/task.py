@@ -30,14 +30,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import TaskError
 from .signature import Signature, n_rows, slice_rows
 from .taskspec import OutputKind, Task
 from .tensors import Inputs, check_inputs, take_samples
+
+if TYPE_CHECKING:
+    from .outputs import OutputDecl
 
 __all__ = ["Inputs", "OutputKind", "Task", "check_inputs", "load_task", "take_samples"]
 
@@ -52,21 +56,35 @@ def load_task(
     *,
     batch_axes: dict[str, int | None] | None = None,
     primary_output: str | None = None,
+    outputs: Mapping[str, OutputDecl] | None = None,
+    metric: str | None = None,
 ) -> Task:
-    """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples."""
+    """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples;
+    ``outputs`` declares how outputs are judged (:mod:`slimline.outputs`), ``metric`` is an ONNX
+    task's metric hook (``file.py:function``)."""
+    from .measure.judge import Judge
+
     if spec.endswith(".onnx"):
         from .onnx_task import onnx_task
 
-        return onnx_task(
+        task = onnx_task(
             Path(spec),
             Path(samples) if samples else None,
             Path(eval_samples) if eval_samples else None,
             batch_axes=batch_axes,
             primary_output=primary_output,
+            metric=metric,
         )
-    if spec.endswith(".py"):
-        return _task_from_module(_import_file(Path(spec)), spec, Path(spec).stem)
-    return _task_from_module(_import_example(spec), spec, spec)
+    elif metric is not None:
+        raise TaskError(
+            f"task {spec}: a metric hook applies to an ONNX task; a task file defines metric()"
+        )
+    elif spec.endswith(".py"):
+        task = _task_from_module(_import_file(Path(spec)), spec, Path(spec).stem)
+    else:
+        task = _task_from_module(_import_example(spec), spec, spec)
+    judge = Judge.from_declarations(outputs or {})
+    return replace(task, judge=judge) if judge is not None else task
 
 
 def _import_example(name: str) -> Any:

@@ -128,8 +128,8 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=5,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py)
-    reads=("target", "budget", "bench"),
+    version=6,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped
+    reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
 def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Candidate:
@@ -233,6 +233,9 @@ def _single(s: Search, plan: Any, spec: QuantSpec) -> tuple[Trial, list[Trial], 
             if mixed.budget_ok:
                 trial = mixed
     record["mixed_precision"] = s.mixed_trace
+    record["stopped"] = "the one setting the recipe names" + (
+        "" if trial.budget_ok else ", with mixed precision where it missed the budget"
+    )
     if not trial.budget_ok:
         record["no_candidate_met_budget"] = f"{trial.spec.label}: {trial.budget_reason}"
     return trial, [t for t in s.trials if t is not trial], record
@@ -245,6 +248,8 @@ def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
         "metric": {"name": ctx.task.metric_name, "value": t.quality.metric},
         "fidelity": t.quality.fidelity_dict(),
     }
+    if t.screened:  # its figures are those of the rows it was screened out on
+        out["fidelity"]["rows"] = t.screened
     if t.latency is not None:
         out["latency_ms"] = t.latency
     return out
@@ -265,6 +270,7 @@ def _trial_summary(s: Search, t: Trial) -> TrialSummary:
         "fidelity": t.quality.fidelity_dict() if t.quality else None,
         "metric": t.quality.metric if t.quality else None,
         "failure": t.failure,
+        "screened": t.screened,
         "size_bytes": t.size if t.path.is_file() else None,  # a failed trial has no file
     }
 

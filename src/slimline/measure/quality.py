@@ -4,7 +4,13 @@ The task metric reads the primary output. Fidelity compares every output the tas
 names (an ONNX task's model may return several: a VAD's probability and its next state): per
 output, the per-row cosine (mean, min) and max abs error, recorded under ``outputs``; the
 headline ``cosine_mean`` is the worst output's mean, so the budget holds for every output.
-A task without a signature compares its one output.
+A task without a signature compares its one output (named ``output``).
+
+Outputs the recipe declares by kind (:mod:`slimline.outputs`) are judged by that kind's
+``agreement`` (:mod:`.judge`): ``agreement`` is the worst declared output's, ``cosine_judged``
+the worst mean cosine of the outputs left to cosine (None when every output is declared); the
+cosine of every output is kept beside it. A metric hook that raises or returns a non-finite value
+on a candidate gives ``metric_error`` (the candidate is then over budget), on FP32 an error.
 """
 
 from __future__ import annotations
@@ -14,12 +20,20 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import DataError, TaskError
 from ..signature import concat_outputs, n_rows, rows_first
 from ..task import Task, iter_rows
 from .runners import Runner
 
-__all__ = ["Quality", "Reference", "collect_outputs", "evaluate", "fidelity", "make_reference"]
+__all__ = [
+    "Quality",
+    "Reference",
+    "collect_outputs",
+    "evaluate",
+    "fidelity",
+    "make_reference",
+    "metric_of",
+]
 
 
 @dataclass
@@ -40,13 +54,41 @@ class Quality:
     max_abs_err: float
     top1_agreement: float | None
     outputs: dict[str, dict[str, float | None]] | None = None  # per output name, several outputs
+    agreement: float | None = None  # the worst declared output's agreement with FP32
+    declared: dict[str, dict[str, Any]] | None = None  # per declared output: kind, figures
+    cosine_judged: float | None = None  # worst mean cosine of the undeclared outputs
+    metric_error: str | None = None  # the metric hook failed on this candidate
+
+    def __post_init__(self) -> None:
+        if self.declared is None and self.cosine_judged is None:
+            self.cosine_judged = self.cosine_mean
 
     def fidelity_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("metric")
-        if d["outputs"] is None:
-            d.pop("outputs")
+        for key in ("outputs", "agreement", "declared", "metric_error"):
+            if d[key] is None:
+                d.pop(key)
+        if self.declared is None:
+            d.pop("cosine_judged")
         return d
+
+    def declared_text(self) -> str:
+        """The declared outputs' agreement, e.g. ``ctc 'out' CER 0.012 (agreement 0.988)``."""
+        return "; ".join(_one_text(n, f) for n, f in (self.declared or {}).items())
+
+
+def _one_text(name: str, f: dict[str, Any]) -> str:
+    kind, agree = f["kind"], f["agreement"]
+    if "error" in f:
+        return f"{kind} {name!r}: {f['error']}"
+    detail = {
+        "logits": lambda: f"top-1 agreement {f['top1_agreement']:.4f}",
+        "probability_map": lambda: f"IoU {f['iou_mean']:.4f} at threshold {f['threshold']}",
+        "ctc": lambda: f"CER {f['cer']:.4f} against FP32's decoding",
+        "boxes": lambda: f"box recall {f['recall']:.4f}, precision {f['precision']:.4f}",
+    }[kind]()
+    return f"{kind} {name!r} {detail} (agreement {agree:.4f}; cosine {f['cosine_mean']:.4f})"
 
 
 def collect_outputs(
@@ -122,18 +164,60 @@ def fidelity(outputs: np.ndarray, ref: np.ndarray, logits: bool) -> dict[str, fl
 
 
 def make_reference(runner: Runner, task: Task, limit: int | None) -> Reference:
+    """FP32's outputs and metric; the output declarations are checked against them here,
+    before any candidate is judged."""
     outputs, labels, every = collect_outputs(runner, task, limit)
-    metric = float(task.metric(outputs, labels))
+    metric, error = metric_of(task, outputs, labels, every)
+    if error is not None:
+        raise TaskError(f"{error} on the FP32 model's outputs; fix the hook")
+    if task.judge is not None:
+        task.judge.check_reference(every)
     return Reference(outputs=outputs, labels=labels, metric=metric, all_outputs=every)
 
 
 def evaluate(runner: Runner, task: Task, reference: Reference, limit: int | None) -> Quality:
     outputs, labels, every = collect_outputs(runner, task, limit)
     logits = task.output_kind == "logits"
-    metric = float(task.metric(outputs, labels))
+    metric, error = metric_of(task, outputs, labels, every)
+    base: dict[str, Any]
     if task.signature is None or reference.all_outputs is None:
-        return Quality(metric=metric, **fidelity(outputs, reference.outputs, logits))  # type: ignore[arg-type]
-    return Quality(metric=metric, **_worst_output(every, reference.all_outputs, logits))
+        base = fidelity(outputs, reference.outputs, logits)
+        per = {next(iter(every)): base}
+    else:
+        base = _worst_output(every, reference.all_outputs, logits)
+        per = base["outputs"]
+    q = Quality(metric=metric, metric_error=error, **base)
+    if task.judge is not None and reference.all_outputs is not None:
+        _add_declared(q, task.judge.score(every, reference.all_outputs), per)
+    return q
+
+
+def metric_of(
+    task: Task, outputs: np.ndarray, labels: Any, every: dict[str, np.ndarray]
+) -> tuple[float, str | None]:
+    """(metric, error): the task's metric, or its metric hook on every output; a hook that
+    raises or returns a non-finite value gives NaN and the error."""
+    if task.metric_hook is None:
+        return float(task.metric(outputs, labels)), None
+    name = task.metric_name
+    try:
+        value = float(task.metric_hook(dict(every), labels))
+    except Exception as err:
+        return float("nan"), f"metric hook {name} failed: {type(err).__name__}: {err}"
+    if not np.isfinite(value):
+        return float("nan"), f"metric hook {name} returned {value}, not a finite number"
+    return value, None
+
+
+def _add_declared(
+    q: Quality, declared: dict[str, dict[str, Any]], per: dict[str, dict[str, float | None]]
+) -> None:
+    for name, f in declared.items():
+        f["cosine_mean"] = per[name]["cosine_mean"]
+    q.declared = declared
+    q.agreement = min(float(f["agreement"]) for f in declared.values())
+    rest = [float(f["cosine_mean"] or 0.0) for n, f in per.items() if n not in declared]
+    q.cosine_judged = min(rest) if rest else None
 
 
 def _worst_output(

@@ -91,6 +91,40 @@ def fidelity_per_output(m: dict[str, Any], run_dir: Path) -> str | None:
     )
 
 
+@section(16, "Fidelity by output kind")
+def fidelity_by_kind(m: dict[str, Any], run_dir: Path) -> str | None:
+    """The outputs the recipe declared by kind: the agreement the budget judges, and the
+    cosine beside it."""
+    rows = [
+        [
+            html.escape(c["name"]),
+            html.escape(name),
+            f["kind"],
+            f.get("agreement"),
+            html.escape(_kind_figures(f)),
+            f.get("cosine_mean"),
+        ]
+        for c in m["candidates"]
+        for name, f in ((c.get("fidelity") or {}).get("declared") or {}).items()
+    ]
+    if not rows:
+        return None
+    budget = (m["recipe"].get("budget") or {}).get("min_agreement")
+    return table(["candidate", "output", "kind", "agreement", "figures", "mean cosine"], rows) + (
+        f"<p>The budget's min_agreement ({budget}) applies to the declared outputs, its "
+        "min_cosine to the others; the cosine is shown for every output.</p>"
+    )
+
+
+def _kind_figures(f: dict[str, Any]) -> str:
+    skip = {"kind", "agreement", "cosine_mean"}
+    return ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in f.items()
+        if k not in skip
+    )
+
+
 @section(10, "Candidates")
 def candidates(m: dict[str, Any], run_dir: Path) -> str:
     headers, rows = summary_rows(m)

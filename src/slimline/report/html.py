@@ -110,6 +110,11 @@ def summary_rows(manifest: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                 fid.get("top1_agreement"),
             ]
         )
+    if any("agreement" in (c.get("fidelity") or {}) for c in manifest["candidates"]):
+        # outputs declared by kind: the budget's agreement, beside the cosine
+        headers.append("agreement")
+        for r, c in zip(rows, manifest["candidates"], strict=True):
+            r.append((c.get("fidelity") or {}).get("agreement"))
     return headers, rows
 
 

@@ -144,8 +144,10 @@ def _impact(t: dict[str, Any]) -> str:
         for r in t["impact"]
     ]
     return (
-        f"<p>Output impact (mean cosine to the FP32 reference with the node alone kept in float, "
-        f"against {fmt(t.get('base_cosine'), 5)} with none; nodes are tried by gain per cost):</p>"
+        f"<p>Output impact (what the budget judges, with the node alone kept in float: the mean "
+        f"cosine to the FP32 reference, or with outputs declared by kind the smaller margin over "
+        f"the budget; against {fmt(t.get('base_score', t.get('base_cosine')), 5)} with none; "
+        f"nodes are tried by gain per cost):</p>"
         + table(["node kept in float", "cosine", "gain", "cost (share of the largest)"], rows)
     )
 

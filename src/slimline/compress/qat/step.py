@@ -566,7 +566,7 @@ def run_qat(
     # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
     # gradient scale, learned zero points, export check's noise floor
     version=4,
-    reads=("target", "budget", "bench", "steps.quantize"),
+    reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
 def qat_step(cfg: QatConfig, cand: Candidate, ctx: StepContext) -> Candidate:

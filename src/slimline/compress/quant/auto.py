@@ -21,6 +21,7 @@ from ...errors import StepError, error_text, is_user_error
 from ...measure.latency import speed_verdict
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
+from ...measure.screen import best_case, can_screen
 from ...records import SearchRecord, TrialDescription
 from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("slimline.quantize")
+
+SCREEN_MIN_ROWS = 8  # screening evaluates a quarter of the rows, at least this many
 
 NOT_BUILT: dict[str, Any] = {
     "int8_kernels": 0,
@@ -182,6 +185,7 @@ class Trial:
     budget_reason: str = ""
     notes: list[str] = field(default_factory=list)
     failure: str | None = None  # why this trial could not be built, checked, evaluated or timed
+    screened: str | None = None  # rejected on a subset of the rows: the rows, and why
 
     @property
     def name(self) -> str:
@@ -251,14 +255,40 @@ class Search:
         return trial
 
     def judge(self, trial: Trial) -> Trial:
+        """Quality and budget verdict of ``trial``: on a subset of the rows first
+        (:meth:`screen`), on all of them unless the subset puts the budget out of reach."""
         if trial.failure:
             return trial
         try:
+            if self.screen(trial):
+                return trial
             trial.quality = self.ctx.evaluate(self.candidate(trial))
         except Exception as err:
             return self.fail(trial, "evaluating", err)
         trial.budget_ok, trial.budget_reason = self.ctx.within_budget(trial.quality)
         return trial
+
+    def screen(self, trial: Trial) -> bool:
+        """Whether ``trial`` is over budget by its first rows alone: even with every other row
+        matching FP32, it would miss (:func:`~slimline.measure.screen.best_case`)."""
+        n = len(self.ctx.reference.outputs)
+        k = max(SCREEN_MIN_ROWS, n // 4)
+        if not self.cfg.screen or n < 2 * k or not can_screen(self.ctx.task, self.ctx.reference):
+            return False
+        with self.timed("screen"):
+            q = self.ctx.evaluate_rows(self.candidate(trial), k)
+        if q is None:
+            return False
+        ok, why = self.ctx.within_budget(best_case(q, self.ctx.task, k, n))
+        if ok:
+            return False
+        trial.quality, trial.budget_ok = q, False
+        trial.screened = f"{k} of {n} rows"
+        trial.budget_reason = (
+            f"over budget on the first {k} of {n} evaluation rows, even if the other {n - k} "
+            f"matched FP32 exactly: at best {why}"
+        )
+        return True
 
     def usable(self) -> list[Trial]:
         return [t for t in self.trials if t.failure is None]
@@ -357,7 +387,8 @@ def search(
     if not any(t.latency for t in s.usable()):
         raise all_failed(s)
     good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
-    if not good and s.cfg.mixed_precision:
+    mixed_tried = not good and s.cfg.mixed_precision
+    if mixed_tried:
         untimed = [t for t in s.usable() if t.latency is None]
         if untimed:
             with s.timed("compare"):
@@ -375,6 +406,7 @@ def search(
     else:
         chosen = _best_effort(s)
         record["no_candidate_met_budget"] = _why_none(s)
+    record["stopped"] = _stopped(s, good, mixed_tried)
     rejected = [t for t in s.trials if t is not chosen]
     return chosen, rejected, record
 
@@ -431,6 +463,27 @@ def all_failed(s: Search) -> StepError:
     )
 
 
+def _stopped(s: Search, good: list[Trial], mixed_tried: bool) -> str:
+    """Why the search ended where it did, for the manifest."""
+    screened = [t for t in s.trials if t.screened]
+    rows = (
+        f" ({len(screened)} of {len(s.trials)} trials over budget on a subset of the "
+        f"evaluation rows, not evaluated on the rest)"
+        if screened
+        else ""
+    )
+    if good and not mixed_tried:
+        why = f"{len(good)} of {len(s.trials)} candidates faster than FP32 and within budget"
+        return f"{why}; mixed precision not needed{rows}"
+    if not s.cfg.mixed_precision:
+        return f"no candidate faster than FP32 and within budget; mixed precision is off{rows}"
+    ends = [e for e in s.mixed_trace if "result" in e or "skipped" in e]
+    last: dict[str, Any] = ends[-1] if ends else {}
+    why = str(last.get("result") or last.get("skipped") or "mixed precision found no plan")
+    verdict = "met the budget" if good else "did not meet the budget"
+    return f"mixed precision {verdict}: {why}{rows}"
+
+
 def _why_none(s: Search) -> str:
     parts = [f"{t.name}: {s.reason(t)}" for t in s.trials]
     return "no candidate is both faster than FP32 and within budget; " + " | ".join(parts)
@@ -471,7 +524,6 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     if not ranking:
         return None
     hi = max(1, int(s.cfg.max_float_share * len(ranking)))
-    ranking = _impact_order(s, base, ranking)
     probes: dict[int, Trial] = {}
 
     def probe(k: int) -> Trial:
@@ -486,9 +538,24 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
                 "ok": trial.budget_ok,
                 "reason": trial.budget_reason,
                 "fidelity": trial.quality.fidelity_dict() if trial.quality else None,
+                **({"screened": trial.screened} if trial.screened else {}),
             }
         )
         return trial
+
+    if s.cfg.impact_nodes > 0 and not probe(hi).budget_ok:
+        # the float share allowed cannot reach the budget in layer-wise order: measuring each
+        # node's output impact (one evaluation per node) would only reorder a lost cause
+        s.mixed_trace.append(
+            {
+                "result": f"out of reach: even the {hi} worst-ranked of {len(ranking)} nodes "
+                f"(max_float_share {s.cfg.max_float_share}) in float miss the budget; "
+                "output impact not measured",
+            }
+        )
+        return probes[hi]
+    ranking = _impact_order(s, base, ranking)
+    probes.clear()
 
     if not probe(hi).budget_ok:
         s.mixed_trace.append({"result": f"even {hi} nodes in float miss the budget"})
@@ -530,11 +597,11 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
                 base.spec,
                 base.plan.float_nodes,
                 measured,
-                lambda path: _budget_cosine(s, path),
+                lambda path: _budget_score(s, path),
                 s.caches,
                 "size" if s.objective == "size" else "latency",
                 progress,
-                base.quality.cosine_mean if base.quality else None,  # judged already
+                budget_score(base.quality, s.ctx) if base.quality and not base.screened else None,
             )
     except Exception as err:  # a probe the quantizer or runtime refused: rank as before
         if is_user_error(err):
@@ -545,18 +612,30 @@ def _impact_order(s: Search, base: Trial, ranking: list[str]) -> list[str]:
     s.mixed_trace.append(
         {
             "impact": [i.to_dict() for i in sorted(impacts, key=lambda i: -i.score)],
-            "base_cosine": base.quality.cosine_mean if base.quality else None,
+            "base_score": budget_score(base.quality, s.ctx) if base.quality else None,
             "order": order[: len(measured)],
         }
     )
     return order
 
 
-def _budget_cosine(s: Search, path: Path) -> float:
-    """Mean cosine of the model at ``path`` to the FP32 reference outputs: what the budget's
-    ``min_cosine`` is judged on."""
+def _budget_score(s: Search, path: Path) -> float:
+    """:func:`budget_score` of the model at ``path``."""
     probe = Candidate(name="quantize:impact-probe", step="quantize", parent=None, onnx=path)
-    return float(s.ctx.evaluate(probe).cosine_mean)
+    return budget_score(s.ctx.evaluate(probe), s.ctx)
+
+
+def budget_score(q: Quality, ctx: StepContext) -> float:
+    """What the budget judges, as one number that grows toward FP32: the mean cosine to the
+    FP32 outputs; with outputs declared by kind, the smaller margin of the declared agreement
+    over ``min_agreement`` and of the other outputs' cosine over ``min_cosine``."""
+    if q.agreement is None:
+        return float(q.cosine_mean)
+    b = ctx.recipe.budget
+    margins = [q.agreement - b.min_agreement]
+    if q.cosine_judged is not None:
+        margins.append(q.cosine_judged - b.min_cosine)
+    return float(min(margins))
 
 
 def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescription:

@@ -67,6 +67,11 @@ class QuantizeConfig(StepConfig):
         "budget or keeps more than max_float_share of the compute ops in float",
     )
     layerwise_samples: int = Field(16, ge=1, le=1024)
+    screen: bool = Field(
+        True,
+        description="evaluate each candidate on a quarter of the evaluation rows first (with 16 "
+        "rows or more), and on all rows only while the budget is within reach of it",
+    )
     impact_nodes: int = Field(
         24,
         ge=0,
