@@ -50,14 +50,17 @@ def tried_here() -> list[str]:
     ]
 
 
-def measure_example(name: str, work: Path) -> dict[str, Any]:
-    """FP32 and each format's full INT8 PTQ on example ``name``: metric and cosine to FP32."""
+def measure_example(name: str, work: Path, eval_rows: int | None) -> dict[str, Any]:
+    """FP32 and each format's full INT8 PTQ on example ``name``: metric and cosine to FP32, on
+    the first ``eval_rows`` evaluation rows (all with None)."""
     task = load_task(name)
-    recipe = recipe_from_dict({"name": f"cpu-kinds-{name}", "task": name})
+    bench = {"eval_limit": eval_rows} if eval_rows else {}
+    recipe = recipe_from_dict({"name": f"cpu-kinds-{name}", "task": name, "bench": bench})
     ctx = api.context_for(task, recipe, work / name, timed=False)
     fp32 = api.evaluate(ctx, ctx.baseline)
     out: dict[str, Any] = {
         "fp32_metric": fp32.metric,
+        "eval_rows": eval_rows,
         "metric_name": task.metric_name,
         "budget": {
             "max_metric_drop": recipe.budget.max_metric_drop,
@@ -111,6 +114,8 @@ def render_kind(entry: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, ex in entry["examples"].items():
+        if ex.get("eval_rows"):
+            name = f"{name} ({ex['eval_rows']} rows)"
         for label, f in ex["formats"].items():
             if "failed" in f:
                 lines.append(f"| {name} | | {label} | failed: {f['failed']} | | |")
@@ -128,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--examples", nargs="+", default=["mnist", "mnist-rep"])
     ap.add_argument("--out", type=Path, default=None, help="RESULTS-cpu-kinds.md to update")
+    ap.add_argument(
+        "--eval-rows", type=int, default=None, help="evaluate on this many rows (all by default)"
+    )
     args = ap.parse_args(argv)
     cpu = detect()
     entry: dict[str, Any] = {
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.examples:
-            entry["examples"][name] = measure_example(name, Path(tmp))
+            entry["examples"][name] = measure_example(name, Path(tmp), args.eval_rows)
     doc: dict[str, Any] = {}
     if args.out is not None and args.out.with_suffix(".json").is_file():
         doc = json.loads(args.out.with_suffix(".json").read_text())

@@ -54,4 +54,7 @@ echo "emulated AVX2 lane: $("$qemu" --version | head -1), -cpu Haswell-noTSX"
 # only the files that mark tests: collecting the whole suite under emulation would import every
 # module of it (Ray, the servers...) at a tenth of native speed, for tests that are not run
 mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.cpu_kinds|cpu_kind\b' tests | sort)
-"$lane/python" -m pytest -q -p no:cacheprovider -m cpu_kinds "${files[@]}" "$@"
+# emulation_slow: the few marked tests whose PyTorch training takes minutes under emulation; each
+# says which lane test covers what it checks that depends on the CPU kind
+"$lane/python" -m pytest -q -p no:cacheprovider -m "cpu_kinds and not emulation_slow" \
+  "${files[@]}" "$@"

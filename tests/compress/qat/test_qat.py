@@ -230,6 +230,9 @@ def test_qat_and_fallback_configs_round_trip() -> None:
         QuantizeConfig(fallback="retrain")
 
 
+# QAT training of the digits CNN: over 7 minutes under the emulated lane (2 s natively); there the
+# same formats and exports are checked on the tiny CNN (test_qdq_export_..., test_qat_export_check)
+@pytest.mark.emulation_slow
 def test_qat_step_on_a_real_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step end to end on scikit-learn's digits (a trained CNN): a QDQ file whose INT8 ops
     all run as integer kernels, checked against the fake-quant model, within budget."""
@@ -292,6 +295,9 @@ def test_quantize_falls_back_to_qat_when_ptq_is_not_good_enough(
     assert why == expected if expected is None else expected in (why or "")
 
 
+# QAT training of the digits CNN: over 7 minutes under the emulated lane (2 s natively); there the
+# same formats and exports are checked on the tiny CNN (test_qdq_export_..., test_qat_export_check)
+@pytest.mark.emulation_slow
 def test_quantize_fallback_runs_qat_and_keeps_both_records(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -72,6 +72,9 @@ def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:
     assert choose_float(gains, 0, 1.0) == []
 
 
+# QAT training of the digits CNN: over 7 minutes under the emulated lane (2 s natively); there the
+# same formats and exports are checked on the tiny CNN (test_qdq_export_..., test_qat_export_check)
+@pytest.mark.emulation_slow
 def test_the_step_keeps_the_chosen_layers_float(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
