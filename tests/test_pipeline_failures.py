@@ -66,7 +66,6 @@ def test_a_step_failing_in_a_library_is_rejected_and_the_run_completes(
     assert "optimizer library exploded" in (out / "report.html").read_text()
 
 
-@pytest.mark.cpu_kinds
 def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
     tiny_recipe: dict[str, Any],
     tmp_path: Path,
