@@ -141,7 +141,6 @@ def _outputs(net: torch.nn.Module, batches: int = 10) -> tuple[np.ndarray, np.nd
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_kinds  # the premise, checked under the AVX2 lane too
 @pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit", "7-bit"])
 def test_full_int8_ptq_of_the_trained_example_misses_its_budget(reduce_range: bool) -> None:
     """Fake-quantized full INT8 (U8 per-tensor activations at every op, S8 per-channel weights,
