@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,30 +79,13 @@ def run_model(name: str, work: Path, limit_s: float, quick: bool) -> dict[str, A
     if name in LABELLED:
         rec["metric"] = LABELLED[name](work / "evaluation.npz")
     rec_path.write_text(yaml.safe_dump(rec, sort_keys=False))
-    cmd = [
-        sys.executable,
-        "-m",
-        "slimline.cli",
-        "optimize",
-        str(rec_path),
-        "--out",
-        str(work / "run"),
-    ]
-    env = {**os.environ, "SLIMLINE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
-    t0 = time.perf_counter()
-    with open(work / "log.txt", "w") as log:
-        try:
-            rc: int | str = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s, check=False
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    rc, wall = zoo.run_optimize(rec_path, work, limit_s)
     out: dict[str, Any] = {
         "model": name,
         "declared": decl,
         "why": why,
         "exit": rc,
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": round(wall, 1),
     }
     manifest = work / "run" / "manifest.json"
     if manifest.is_file():

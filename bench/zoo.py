@@ -208,6 +208,30 @@ def prepare(m: ZooModel, work: Path, quick: bool) -> Path:
     return path
 
 
+def run_optimize(recipe: Path, work: Path, limit_s: float) -> tuple[int | str, float]:
+    """``slimline optimize recipe`` in a child process with its own cache under ``work``, its
+    output in ``work/log.txt`` and the run in ``work/run``: (exit code or "timeout", seconds)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimline.cli",
+        "optimize",
+        str(recipe),
+        "--out",
+        str(work / "run"),
+    ]
+    env = {**os.environ, "SLIMLINE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    with open(work / "log.txt", "w") as log:
+        try:
+            rc: int | str = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s, check=False
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, time.perf_counter() - t0
+
+
 def run_model(m: ZooModel, work: Path, quick: bool, limit_s: float) -> dict[str, Any]:
     """One model through ``slimline optimize`` in a subprocess: its exit status, wall time and
     what its manifest says."""
@@ -225,18 +249,8 @@ def run_model(m: ZooModel, work: Path, quick: bool, limit_s: float) -> dict[str,
             "wall_s": 0.0,
             "log_tail": [f"inputs could not be built: {type(err).__name__}: {err}"],
         }
-    cmd = [sys.executable, "-m", "slimline.cli", "optimize", str(rec), "--out", str(work / "run")]
-    env = {**os.environ, "SLIMLINE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    with open(work / "log.txt", "w") as log:
-        try:
-            rc: int | str = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit_s, check=False
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
+    rc, wall = run_optimize(rec, work, limit_s)
     tail = (work / "log.txt").read_text(errors="replace").strip().splitlines()[-15:]
     result = {
         "model": m.name,
