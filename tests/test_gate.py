@@ -112,3 +112,28 @@ def test_an_old_baseline_says_what_it_does_not_record(
     other = manifest(int8=None)
     other["hardware"]["flags"] = ["avx2", "avx512_vnni"]
     assert main(["check", run, "--baseline", _write(tmp_path, "b2.json", other)]) == 2
+
+
+def declared(agreement: float) -> dict[str, Any]:
+    """A manifest whose fp32-onnx candidate declares a ``ctc`` output with ``agreement``."""
+    m = manifest()
+    m["candidates"][0]["fidelity"] = {
+        "cosine_mean": 0.999,
+        "agreement": agreement,
+        "declared": {"logits": {"kind": "ctc", "agreement": agreement, "cer": 1 - agreement}},
+    }
+    return m
+
+
+def test_a_drop_in_a_declared_outputs_agreement_fails_the_gate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = _write(tmp_path, "base.json", declared(0.99))
+    # the metric (FP32-relative) and the latency are unchanged; only the decoded text moved
+    assert main(["check", _write(tmp_path, "ok.json", declared(0.988)), "--baseline", base]) == 0
+    assert main(["check", _write(tmp_path, "bad.json", declared(0.95)), "--baseline", base]) == 1
+    out = capsys.readouterr().out
+    assert "ctc agreement of output 'logits' 0.99 -> 0.95" in out
+    # an output declared in one run only is not compared
+    undeclared = _write(tmp_path, "u.json", manifest())
+    assert main(["check", undeclared, "--baseline", base]) == 0

@@ -2,7 +2,9 @@
 
 A latency regression counts only when it exceeds both the tolerance (relative p50 increase) and
 the measured noise (the candidate's p50 band lies entirely above the baseline's band). A metric
-regression counts when the metric dropped by more than the allowed absolute drop.
+regression counts when the metric dropped by more than the allowed absolute drop; so does the
+agreement of each output the recipe declares by kind (top-1, map IoU, decoded text, boxes:
+``fidelity.declared``), which is what the task sees where the metric is only FP32-relative.
 
 Latency compares only across like targets: :func:`hardware_differences` names what differs
 between the two manifests' CPUs (the INT8 features, which decide the kernels ONNX Runtime
@@ -65,6 +67,32 @@ def _metric(
     return None
 
 
+def _agreement(
+    name: str, base: dict[str, Any], cur: dict[str, Any], max_drop: float
+) -> list[Regression]:
+    """One regression per declared output whose agreement with FP32 dropped by more than
+    ``max_drop``; outputs declared in only one of the runs are not compared."""
+    b = (base.get("fidelity") or {}).get("declared") or {}
+    c = (cur.get("fidelity") or {}).get("declared") or {}
+    out = []
+    for output in sorted(set(b) & set(c)):
+        bv, cv = b[output].get("agreement"), c[output].get("agreement")
+        if bv is None or cv is None:
+            continue
+        if bv - cv > max_drop:
+            kind = c[output].get("kind", "declared")
+            out.append(
+                Regression(
+                    name,
+                    f"{kind} agreement of output {output!r}",
+                    bv,
+                    cv,
+                    f"drop {bv - cv:.4f} > allowed {max_drop:.4f}",
+                )
+            )
+    return out
+
+
 def compare_manifests(
     current: dict[str, Any],
     baseline: dict[str, Any],
@@ -87,6 +115,7 @@ def compare_manifests(
         ):
             if r is not None:
                 regressions.append(r)
+        regressions.extend(_agreement(name, b, c, max_metric_drop))
         if b.get("latency_ms") and c.get("latency_ms"):
             notes.append(
                 f"{name}: p50 {b['latency_ms']['p50']:.3f} -> {c['latency_ms']['p50']:.3f} ms"
