@@ -32,6 +32,8 @@ BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it
 
 
 def measure_all(run: Run) -> None:
+    """The final figures of every candidate that did not fail (with runtime auto, the rivals
+    too, and the pick), measured or from the cache, into each candidate's ``measurement``."""
     cands = [c for c in run.chain if not has_failed(c)]
     if len(run.runtimes) > 1:  # rivals (NNCF): measured on both; the pick if accepted there
         cands += [a for a in run.alternatives if a.meta.get("competes") and not has_failed(a)]

@@ -31,6 +31,8 @@ __all__ = ["decide"]
 
 
 def decide(run: Run, cfg: StepConfig, parent: Candidate, cand: Candidate) -> tuple[bool, str]:
+    """(kept, why) for ``cand``, made by step ``cfg`` from ``parent``: the cached decision, or
+    a verdict on each runtime of the run (kept where one runtime keeps it)."""
     key = json_hash(
         {
             "decide": step_key(run, cfg, parent),

@@ -18,6 +18,7 @@ __all__ = ["write_manifest"]
 
 
 def write_manifest(run: Run, status: str) -> None:
+    """``run.out/manifest.json`` with ``status`` (running, complete or failed), atomically."""
     task = run.task
     chain = [_entry(run, c) for c in run.chain]
     alts = [{**_entry(run, c), "alternative": True} for c in run.alternatives]

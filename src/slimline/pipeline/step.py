@@ -27,6 +27,8 @@ __all__ = ["cached_step", "run_step"]
 
 
 def run_step(run: Run, cfg: StepConfig) -> None:
+    """Run step ``cfg`` on the last accepted candidate (or reuse its cached result), judge what
+    it returned and its rivals, and append the step's candidate to the chain, kept or not."""
     parent = run.current
     n_alt = len(run.alternatives)
     try:
@@ -54,6 +56,8 @@ def run_step(run: Run, cfg: StepConfig) -> None:
 
 
 def cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
+    """The candidate step ``cfg`` makes from ``cand``: from its cache entry, or built into a
+    new one (:meth:`~slimline.cache.StepCache.build_step` runs :func:`_execute` in it)."""
     key = step_key(run, cfg, cand)
     entry = run.cache.step_dir(key)
     if entry is None:
