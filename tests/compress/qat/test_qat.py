@@ -236,7 +236,7 @@ def test_qat_and_fallback_configs_round_trip() -> None:
 def test_qat_step_on_a_real_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step end to end on scikit-learn's digits (a trained CNN): a QDQ file whose INT8 ops
     all run as integer kernels, checked against the fake-quant model, within budget."""
-    import slimline.pipeline as pipeline
+    import slimline.pipeline.run as pipeline
 
     monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
     task = load_task(str(DIGITS))
@@ -303,7 +303,7 @@ def test_quantize_fallback_runs_qat_and_keeps_both_records(
 ) -> None:
     """A budget PTQ cannot meet: quantize runs QAT; the one not returned is an alternative."""
     import slimline.compress.qat.fallback as fallback
-    import slimline.pipeline as pipeline
+    import slimline.pipeline.run as pipeline
 
     monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
     short = QatConfig(finetune=FinetuneConfig(steps=2, eval_every=2, progress=False))

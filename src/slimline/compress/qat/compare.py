@@ -12,11 +12,12 @@ from ...candidate import Candidate, quantizable_graph
 from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...task import Inputs
-from ..quant.auto import Search, Trial, mixed_precision
 from ..quant.calibrate import calibrate
 from ..quant.config import CalibrationName, QuantizeConfig, QuantSpec
+from ..quant.mixed import mixed_precision
 from ..quant.plan import resolve_plan
 from ..quant.prepare import prepare
+from ..quant.trial import Search, Trial
 from .fakequant import FakeQuantFormat
 
 __all__ = ["LATENCY_TOLERANCE", "RECOVERY_TARGET", "PtqRows", "compare_rows", "ptq_rows"]

@@ -11,8 +11,8 @@ from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...records import SearchRecord
-from ..quant.auto import Trial
 from ..quant.config import QuantizeConfig
+from ..quant.trial import Trial
 from .compare import ptq_rows
 from .fakequant import format_for
 from .step import QatConfig, run_qat
