@@ -32,6 +32,7 @@ import numpy as np
 from .cache import StepCache
 from .candidate import Candidate, file_hash, module_hash
 from .context import StepContext, step_key_parts
+from .envlock import environment_record
 from .errors import RecipeError, SlimlineError, StepError, error_text, is_user_error
 from .export import ExportConfig
 from .measure.latency import (
@@ -1101,6 +1102,7 @@ def write_manifest(run: Run, status: str) -> None:
         "versions": run.versions,
         "step_versions": {s.kind: spec_for(s).version for s in run.recipe.steps},
         "hardware": hardware(),
+        "environment": environment_record(),  # the installed versions against the lock
         "target": run.recipe.target.model_dump(),
         "runtimes": {rt: runtime_record(rt, run.threads) for rt in run.runtimes},
         "selected_runtime": run.serving_runtime if run.chain else None,
