@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install slimline with its dependencies. Idempotent; safe to rerun.
 # torch is installed first, pinned to the CPU build, so no later resolve can pull a CUDA build.
+# Every other package is installed at the exact version constraints.txt pins: the verified set
+# that CI passed with (regenerate it with scripts/lock.sh; README, "Versions").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,8 +10,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev,openvino]"
+.venv/bin/python -m pip install --quiet -c constraints.txt "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,openvino]"
 # The zoo (bench/zoo.py, tests/test_zoo.py): real third-party models shipped inside these wheels.
 # Only their model files are used, so their dependencies (opencv, another onnxruntime) are not.
 .venv/bin/python -m pip install --quiet --no-deps "rapidocr_onnxruntime==1.4.4" "silero-vad==6.2.3" \

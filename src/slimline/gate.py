@@ -8,17 +8,21 @@ agreement of each output the recipe declares by kind (top-1, map IoU, decoded te
 
 Latency compares only across like targets: :func:`hardware_differences` names what differs
 between the two manifests' CPUs (the INT8 features, which decide the kernels ONNX Runtime
-runs), core and thread counts, and ONNX Runtime versions.
+runs), core and thread counts, and ONNX Runtime versions. :func:`environment_differences` names
+the packages that differ from each run's lock (``constraints.txt``) and between the two runs: a
+reason to distrust a comparison, printed as a warning, never a failure (an upgrade of the lock is
+itself checked this way, against a baseline from before it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .cpu import kernel_view
 
-__all__ = ["Regression", "compare_manifests", "hardware_differences"]
+__all__ = ["Regression", "compare_manifests", "environment_differences", "hardware_differences"]
 
 
 @dataclass
@@ -186,3 +190,56 @@ def hardware_differences(
         elif c != b:
             differs.append(f"{name} {c} vs baseline {b}")
     return differs, unknown
+
+
+# ``versions`` entries that differ on purpose between two runs of a change (the code under test)
+# or are compared as the target already (:func:`hardware_differences`)
+_NOT_PACKAGES = ("slimline", "slimline_code", "onnxruntime")
+_LISTED = 8  # packages named in one line; the rest are counted
+
+
+def _pkg_list(differs: dict[str, Any]) -> str:
+    items = [
+        f"{name} {d.get('installed') or 'not installed'} (locked {d.get('locked')})"
+        for name, d in sorted(differs.items())
+    ]
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return ", ".join(items[:_LISTED]) + more
+
+
+def _against_lock(m: dict[str, Any], side: str) -> tuple[list[str], list[str]]:
+    lock = (m.get("environment") or {}).get("lock")
+    if not isinstance(lock, dict):
+        return [], [f"package lock (not recorded in {side})"]
+    if lock.get("matches") is None:
+        return [], [f"package lock ({side}: {lock.get('state')})"]
+    if lock["matches"]:
+        return [], []
+    name = Path(str(lock.get("file"))).name
+    return [f"{side}'s packages differ from its lock {name}: {_pkg_list(lock['differs'])}"], []
+
+
+def environment_differences(
+    current: dict[str, Any], baseline: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(warnings, what could not be compared) about the two runs' package sets: each run against
+    its lock, the two locks, and the package versions both manifests record."""
+    warnings, unknown = _against_lock(current, "this run")
+    w, u = _against_lock(baseline, "the baseline")
+    warnings, unknown = warnings + w, unknown + u
+    clock = (current.get("environment") or {}).get("lock") or {}
+    block = (baseline.get("environment") or {}).get("lock") or {}
+    if clock.get("sha256") and block.get("sha256") and clock["sha256"] != block["sha256"]:
+        warnings.append(
+            f"the baseline ran with another lock (sha256 {block['sha256'][:12]}, this run "
+            f"{clock['sha256'][:12]})"
+        )
+    cv, bv = current.get("versions") or {}, baseline.get("versions") or {}
+    changed = [
+        f"{k} {cv[k]} vs baseline {bv[k]}"
+        for k in sorted(set(cv) & set(bv))
+        if k not in _NOT_PACKAGES and cv[k] != bv[k]
+    ]
+    if changed:
+        warnings.append(f"package versions differ from the baseline's: {', '.join(changed)}")
+    return warnings, unknown

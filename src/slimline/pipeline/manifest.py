@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ..candidate import Candidate, file_hash
+from ..envlock import environment_record
 from ..record import MANIFEST_SCHEMA, atomic_copy, atomic_write_json, hardware, now_iso
 from ..runtimes import runtime_record
 from ..steps import spec_for
@@ -41,6 +42,7 @@ def write_manifest(run: Run, status: str) -> None:
         "versions": run.versions,
         "step_versions": {s.kind: spec_for(s).version for s in run.recipe.steps},
         "hardware": hardware(),
+        "environment": environment_record(),  # the installed versions against the lock
         "target": run.recipe.target.model_dump(),
         "runtimes": {rt: runtime_record(rt, run.threads) for rt in run.runtimes},
         "selected_runtime": run.serving_runtime if run.chain else None,

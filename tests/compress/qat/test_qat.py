@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.ao.quantization import FakeQuantize
 
 from fixtures.int8_kinds import skip_8bit_weights_where_they_saturate
 from slimline import api
@@ -85,7 +86,9 @@ def test_fake_quant_format_is_what_quantize_deploys_on_the_cpu(
     fmt = fq.format_for(parse_cpuinfo((CPUINFO / f"{cpu}.txt").read_text(), "x86_64"))
     assert fmt.reduce_range is reduce_range and fmt.weight_range == weight_range
     model = fq.prepare(_tiny(), {"x": torch.zeros(2, 1, 8, 8)}, fmt)
-    quants = fq.fake_quant_modules(model).values()
+    found = list(fq.fake_quant_modules(model).values())
+    quants = [m for m in found if isinstance(m, FakeQuantize)]
+    assert len(quants) == len(found)  # prepare() inserts FakeQuantize modules only
     weights = [m for m in quants if m.qscheme == torch.per_channel_symmetric]
     acts = [m for m in quants if m.qscheme == torch.per_tensor_affine]
     assert len(weights) == 4  # stem, depthwise, projection, head
@@ -97,6 +100,7 @@ def test_fake_quant_format_is_what_quantize_deploys_on_the_cpu(
 def test_calibration_sets_the_activation_ranges_to_min_max() -> None:
     model = _prepared()
     first = fq.fake_quant_modules(model)["activation_post_process_0"]  # the model input
+    assert isinstance(first, FakeQuantize)
     x = np.concatenate([b["x"] for b in _batches()])
     obs = first.activation_post_process
     assert float(obs.min_val) == pytest.approx(float(x.min()))

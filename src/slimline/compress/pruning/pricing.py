@@ -18,13 +18,19 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import StepError
 from ...module_guard import private_copy
 from .depth import StackInfo, drop_layers, droppable
 from .graph import CostModel, PruneGraph
 from .planner import plan_from_ratios
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
+
+    from ...tensors import Inputs
+    from .sensitivity import Evaluator
 
 __all__ = ["Option", "ShapeSpec", "choose", "least_sensitive", "price_options"]
 
@@ -64,7 +70,12 @@ def least_sensitive(table: dict[str, Any], k: int) -> list[int]:
 
 
 def build_shape(
-    teacher: Any, stack: StackInfo, keep: list[int], width: float, spec: ShapeSpec, example: Any
+    teacher: nn.Module,
+    stack: StackInfo,
+    keep: list[int],
+    width: float,
+    spec: ShapeSpec,
+    example: dict[str, Tensor],
 ) -> Any:
     """A copy of ``teacher`` with only ``keep`` layers, thinned by ``width`` (no recovery)."""
     import torch_pruning as tp
@@ -108,7 +119,7 @@ def _options(
     return out
 
 
-def _onnx(module: Any, sample: Any, path: Path, opset: int, int8: bool) -> Path:
+def _onnx(module: nn.Module, sample: Inputs, path: Path, opset: int, int8: bool) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from ...export import export_module
@@ -123,15 +134,15 @@ def _onnx(module: Any, sample: Any, path: Path, opset: int, int8: bool) -> Path:
 
 def price_options(
     *,
-    teacher: Any,
+    teacher: nn.Module,
     stack: StackInfo,
     table: dict[str, Any],
     widths: list[float],
     keep_first_last: bool,
     spec: ShapeSpec,
-    evaluator: Any,
+    evaluator: Evaluator,
     fidelity_weight: float,
-    example: Any,
+    example: dict[str, Tensor],
     sample: dict[str, Any],
     workdir: Path,
     opset: int,
