@@ -481,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"zoo: {m.name}: exit {results[-1]['exit']}, {results[-1]['wall_s']} s", file=sys.stderr
         )
+        partial = {**_conditions(args.limit), "quick": args.quick, "models": results}
+        partial["commands"] = [reproduce_command("zoo.py", argv)]
+        (args.work / "partial.json").write_text(json.dumps(partial, indent=1, default=str))
     doc = {
         **_conditions(args.limit),
         "quick": args.quick,
