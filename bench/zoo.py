@@ -45,7 +45,6 @@ import zoo_inputs as zi
 import zoo_peers
 from bench_out import publish, reproduce_command
 from slimline.recipe import Recipe
-from slimline.report.html import summary_rows
 from zoo_table import render
 
 THREADS = 2
@@ -329,7 +328,7 @@ def run_model(
     load_before = os.getloadavg()[0]
     rc, wall = run_optimize(rec, work, limit_s)
     tail = (work / "log.txt").read_text(errors="replace").strip().splitlines()[-15:]
-    result = {
+    result: dict[str, Any] = {
         "model": m.name,
         "package": f"{m.dist}=={importlib.metadata.version(m.dist)}",
         "file": m.file,
@@ -386,6 +385,8 @@ def run_main_job(work: Path, limit_s: float) -> dict[str, Any]:
 
 def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest's status, the selected candidate's figures, and every candidate's verdict."""
+    from slimline.report.html import summary_rows  # late: the report imports plotting
+
     headers, rows = summary_rows(manifest)
     by_name = {r[0]: dict(zip(headers, r, strict=True)) for r in rows}
     selected = manifest.get("selected")

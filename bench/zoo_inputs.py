@@ -389,7 +389,7 @@ def layout_page(lines: list[np.ndarray], figure: np.ndarray, seed: int) -> np.nd
     def put(img: np.ndarray, y: int, x: int = 48) -> int:
         h, w = img.shape[:2]
         page[y : y + h, x : x + w] = np.minimum(page[y : y + h, x : x + w], img)
-        return y + h
+        return int(y + h)
 
     def line(scale: float) -> np.ndarray:
         nonlocal i
