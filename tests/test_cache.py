@@ -225,3 +225,13 @@ def test_a_temp_dir_left_by_an_earlier_process_with_this_pid_is_removed(tmp_path
     left.mkdir()
     StepCache(tmp_path)
     assert not left.exists()
+
+
+def test_a_relative_cache_folder_is_held_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps hand cache paths to child processes and runtimes: a relative ``--cache`` once
+    made the quantize step look for its prepared model under the wrong folder."""
+    monkeypatch.chdir(tmp_path)
+    cache = StepCache(Path("c"))
+    assert cache.root == tmp_path / "c" and (tmp_path / "c" / "steps").is_dir()

@@ -1,6 +1,6 @@
 """Fake quantization that simulates the INT8 format the ``quantize`` step deploys, and its export.
 
-The format is the one :func:`slimline.compress.quant.auto.cpu_formats` chooses for the CPU: U8
+The format is the one :func:`slimline.compress.quant.candidates.cpu_formats` chooses for the CPU: U8
 asymmetric per-tensor activations and S8 symmetric per-channel weights (range [-127, 127], as
 ONNX Runtime's quantizer uses for symmetric INT8), 7-bit weights ([-64, 64]) where the CPU has
 no VNNI. ``torch.ao.quantization``'s FX graph mode inserts the fake-quant modules (Conv-BN-ReLU
@@ -81,7 +81,7 @@ def format_for(
     there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format.
     ``ops``: fake quantization at every op ``quantize_ops: all`` quantizes, or around the compute
     layers only (``compute``)."""
-    from ..quant.auto import cpu_formats
+    from ..quant.candidates import cpu_formats
     from ..quant.config import QuantizeConfig
 
     _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]

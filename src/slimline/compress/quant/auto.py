@@ -9,7 +9,6 @@ from typing import Any
 from ...errors import StepError
 from ...measure.latency import speed_verdict
 from ...records import SearchRecord, TrialDescription
-from .candidates import cpu_formats  # qat/fakequant imports it from here
 from .config import QuantSpec
 from .layerwise import error_statement, layer_errors
 from .mixed import mixed_from_fastest
@@ -19,7 +18,6 @@ from .trial import Search, Trial
 __all__ = [
     "all_failed",
     "clearly_smaller",
-    "cpu_formats",
     "describe",
     "latency_ties",
     "layerwise_for",
