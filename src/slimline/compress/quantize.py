@@ -23,6 +23,8 @@ from ..errors import error_text, is_user_error
 from ..records import QuantizeAlternativeRecord, QuantizeRecord, SearchRecord, TrialSummary
 from ..steps import Contract, step
 from ..task import Inputs
+from .nncf_ptq import nncf_alternative
+from .qat.fallback import qat_fallback
 from .quant.auto import (
     Search,
     Trial,
@@ -189,8 +191,6 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
             ctx.warn(f"quantize: {n}")
     ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
     if cfg.nncf:
-        from .nncf_ptq import nncf_alternative
-
         ctx.alternatives.append(nncf_alternative(cand, ctx, cfg.samples))
     out = Candidate(
         name="quantize",
@@ -203,8 +203,6 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         measurement=_measurement(ctx, chosen),
     )
     if cfg.fallback == "qat":
-        from .qat.fallback import qat_fallback
-
         return qat_fallback(cfg, cand, ctx, chosen, record, out)
     return out
 
