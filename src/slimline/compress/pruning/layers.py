@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...candidate import Candidate
 from ...context import StepContext
+from ...export import ExportConfig
 from ...module_guard import private_copy
 from ..finetune import Batches, FileCheckpoint, distill
 from .config import PruneConfig
@@ -163,8 +164,6 @@ def _priced(
     state: RoundState,
 ) -> tuple[list[Option], Option]:
     """The options priced by timing (once: a resumed run keeps the first run's choice)."""
-    from ...export import ExportConfig
-
     layers = cfg.layers
     assert layers is not None and layers.latency is not None
     saved = state.data.get("depth_options")

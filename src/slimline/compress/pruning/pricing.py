@@ -20,8 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...candidate import Candidate
 from ...errors import StepError
+from ...export import export_module
+from ...measure.latency import benchmark, paired_speedup
 from ...module_guard import private_copy
+from ...recipe import BenchConfig
 from .depth import StackInfo, drop_layers, droppable
 from .graph import CostModel, PruneGraph
 from .planner import plan_from_ratios
@@ -122,8 +126,6 @@ def _options(
 def _onnx(module: nn.Module, sample: Inputs, path: Path, opset: int, int8: bool) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from ...export import export_module
-
     fp32 = export_module(module, sample, path, opset)
     if not int8:
         return fp32
@@ -152,10 +154,6 @@ def price_options(
 ) -> list[Option]:
     """Every option built, scored before recovery and timed interleaved with the unpruned
     model (``Option.ratio``; a failed option keeps its ``error``)."""
-    from ...candidate import Candidate
-    from ...measure.latency import benchmark, paired_speedup
-    from ...recipe import BenchConfig
-
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     options = _options(table, stack, keep_first_last, widths)

@@ -27,7 +27,9 @@ import numpy as np
 from ...errors import DataError, StepError
 from ...measure.quality import fidelity
 from ...module_guard import private_copy
-from ...task import Task, iter_rows
+from ...task import Task, iter_rows, load_task
+from ..finetune import to_tensors, trim_padding
+from .depth import replay_history
 from .graph import PruneGraph, keep_units, prune_channels
 
 if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
@@ -129,8 +131,6 @@ class Evaluator:
     def _outputs(self, model: nn.Module) -> np.ndarray:
         import torch
 
-        from ..finetune import to_tensors, trim_padding
-
         outs = []
         with torch.inference_mode():
             for inputs, _ in self.batches:
@@ -166,10 +166,6 @@ _WORKER: Evaluator | None = None
 
 def _rebuild(spec: SweepSpec) -> Evaluator:
     import torch
-
-    from ...task import load_task
-    from ..finetune import to_tensors
-    from .depth import replay_history
 
     torch.set_num_threads(spec.threads)
     task = load_task(spec.task_source, spec.task_samples)

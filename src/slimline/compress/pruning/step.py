@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import StepError
+from ...export import ExportConfig, export_module, verify_export
 from ...module_guard import private_copy, torch_threads
 from ...record import atomic_write_json
 from ...records import PruneRecord
@@ -76,8 +77,6 @@ def _state_dir(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Path:
 
 
 def _export(ctx: StepContext, module: nn.Module) -> tuple[Path, dict[str, Any]]:
-    from ...export import ExportConfig, export_module, verify_export
-
     cfg = ctx.recipe.step_config(ExportConfig)
     sample = ctx.task.sample_inputs(cfg.check_samples)
     path = export_module(module, sample, ctx.workdir / "model.onnx", cfg.opset)

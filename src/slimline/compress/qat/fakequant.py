@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 
 from ...cpu import CpuInt8
+from ..quant.calibrate import ENTROPY_BINS, HISTOGRAM_BINS, bound_bins, hist_limit, subsample
+from ..quant.candidates import cpu_formats
+from ..quant.config import QuantizeConfig
 
 if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
     import torch.ao.nn.intrinsic.qat as nniqat
@@ -81,9 +84,6 @@ def format_for(
     there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format.
     ``ops``: fake quantization at every op ``quantize_ops: all`` quantizes, or around the compute
     layers only (``compute``)."""
-    from ..quant.candidates import cpu_formats
-    from ..quant.config import QuantizeConfig
-
     _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]
     return FakeQuantFormat(
         reduce_range=reduce_range, cpu_kind=cpu.kind, ops=ops, float_modules=float_modules
@@ -328,8 +328,6 @@ class _Ranges:
         if method != "minmax":
             from onnxruntime.quantization.calibrate import HistogramCollector
 
-            from ..quant.calibrate import ENTROPY_BINS, HISTOGRAM_BINS
-
             bins = ENTROPY_BINS if method == "entropy" else HISTOGRAM_BINS
             # the arguments the quantize step's calibration passes (asymmetric U8 activations)
             self.collector = HistogramCollector(method, False, bins, 128, percentile, "same")
@@ -345,8 +343,6 @@ class _Ranges:
         return record
 
     def _histogram(self, name: str, arr: np.ndarray) -> None:
-        from ..quant.calibrate import bound_bins, hist_limit, subsample
-
         sub = {name: subsample(arr, hist_limit(len(arr), self.samples))}
         bound_bins(self.collector, sub)
         with contextlib.redirect_stdout(None):  # the collector prints per call
