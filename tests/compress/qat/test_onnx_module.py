@@ -129,6 +129,37 @@ def test_a_fixed_batch_of_one_trains_on_several_rows() -> None:
         assert to_torch(model)(torch.from_numpy(x)).shape == (1, 3 * 128, 2)
 
 
+def test_a_classifier_head_reshaped_to_a_computed_shape() -> None:
+    """PP-OCR's classifier head: Reshape(x, Concat(Cast(Slice(Shape(x), 0, 1)), [-1])), MatMul
+    with a constant, Softmax over the last axis of opset 11 (the rank carried past the Reshape)."""
+    w = np.random.default_rng(2).normal(0, 0.3, (8, 5)).astype(np.float32)
+    nodes = [
+        _const("s0", np.array([0], np.int64)), _const("s1", np.array([1], np.int64)),
+        _const("rest", np.array([-1], np.int64)), _const("w", w),
+        helper.make_node("GlobalAveragePool", ["x"], ["g"]),
+        helper.make_node("Shape", ["g"], ["shape"]),
+        helper.make_node("Cast", ["shape"], ["shape_i"], to=TensorProto.INT32),
+        helper.make_node("Slice", ["shape_i", "s0", "s1", "s0", "s1"], ["rows"]),
+        helper.make_node("Cast", ["rows"], ["rows_l"], to=TensorProto.INT64),
+        helper.make_node("Concat", ["rows_l", "rest"], ["target"], axis=-1),
+        helper.make_node("Reshape", ["g", "target"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "w"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["y"], axis=1),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 5])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 7
+    x = np.random.default_rng(3).normal(0, 1, (3, 8, 4, 4)).astype(np.float32)
+    with torch.no_grad():
+        got = to_torch(model)(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, _ort(model, x), atol=1e-6)
+
+
 def test_qat_inserts_fake_quantization_into_the_converted_module() -> None:
     module = to_torch(_tiny_cnn())
     student = fq.prepare(module, {"x": torch.zeros(2, 3, 16, 16)}, fq.FakeQuantFormat())

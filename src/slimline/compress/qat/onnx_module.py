@@ -34,7 +34,7 @@ from torch import fx
 from ...candidate import Candidate, quantizable_graph
 from ...context import StepContext
 from ...errors import StepError
-from .onnx_ops import CONVERTERS, Builder, Env, attrs, unsupported
+from .onnx_ops import CONVERTERS, Builder, Dims, Env, attrs, unsupported
 
 __all__ = ["CONVERTERS", "check_against_onnx", "module_for", "rename_output", "to_torch"]
 
@@ -48,7 +48,7 @@ CHECK_BOUND = 0.9999  # cosine to ONNX Runtime per row
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """Each value's dims where ONNX shape inference finds them (a free dim is ``None``)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # inference is a help, not a requirement
         inferred = model
     g = inferred.graph
@@ -85,6 +85,33 @@ def _fold(node: onnx.NodeProto, env: Env, opset: int) -> list[np.ndarray]:
     except Exception as err:
         raise unsupported(node, f"its constant inputs could not be folded ({err})") from None
     return [np.asarray(r) for r in result]
+
+
+# ops whose output has the rank of their (largest) input: where shape inference loses the rank
+# (after a Reshape to a computed shape), it is carried on from the inputs
+SAME_RANK = frozenset(CONVERTERS) - {
+    "Reshape",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    "Shape",
+    "Gather",
+}
+
+
+def _note_rank(b: Builder, node: onnx.NodeProto) -> None:
+    out = node.output[0]
+    if b.shapes.get(out) is not None or isinstance(b.env[out], Dims):
+        return
+    if node.op_type == "Reshape" and isinstance(b.env[node.input[1]], (Dims, np.ndarray)):
+        rank: int | None = len(b.env[node.input[1]])
+    elif node.op_type in SAME_RANK:
+        ranks = [r for r in (b.rank(n) for n in node.input if n) if r is not None]
+        rank = max(ranks) if ranks else None
+    else:
+        rank = None
+    if rank is not None:
+        b.shapes[out] = [None] * rank
 
 
 def _check_graph(model: onnx.ModelProto) -> int:
@@ -142,6 +169,7 @@ def to_torch(model: onnx.ModelProto, *, free_batch: bool = False) -> fx.GraphMod
                 "whose model() returns it), or use quantize without QAT"
             )
         b.env[node.output[0]] = convert(b, node)
+        _note_rank(b, node)
     out = b.env[model.graph.output[0].name]
     if not isinstance(out, fx.Node):
         raise StepError("the ONNX model's output is a constant: there is nothing to train")

@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from ...errors import StepError
 
-__all__ = ["CONVERTERS", "Builder", "Env", "attrs", "unsupported"]
+__all__ = ["CONVERTERS", "Builder", "Dims", "Env", "attrs", "unsupported"]
 
 Env = dict[str, Any]  # ONNX value name -> fx node, or a numpy constant
 HUGE = 2**62  # Slice ends at or past this mean "to the end"
@@ -200,6 +200,8 @@ def _binary(
     functions want the tensor first)."""
 
     def convert(b: Builder, node: onnx.NodeProto) -> Any:
+        if any(isinstance(b.env[n], Dims) for n in node.input):
+            raise unsupported(node, "arithmetic on a shape computed from Shape")
         ranks = [b.rank(n) for n in node.input]
         x = b.scalar_operand(node.input[0], ranks[1])
         y = b.scalar_operand(node.input[1], ranks[0])
@@ -266,6 +268,8 @@ def _resize(b: Builder, node: onnx.NodeProto) -> Any:
 
 
 def _concat(b: Builder, node: onnx.NodeProto) -> Any:
+    if any(isinstance(b.env[n], Dims) for n in node.input):
+        return Dims(d for n in node.input for d in _dims(b, node, n))
     inputs = [b.operand(n) for n in node.input]
     return b.call(torch.cat, inputs, dim=int(attrs(node)["axis"]))
 
@@ -300,6 +304,12 @@ def _slice(b: Builder, node: onnx.NodeProto) -> Any:
         axes_c, steps_c = b.optional(node, 3), b.optional(node, 4)
         axes = axes_c.tolist() if axes_c is not None else list(range(len(starts)))
         steps = steps_c.tolist() if steps_c is not None else [1] * len(starts)
+    x = b.env[node.input[0]]
+    if isinstance(x, Dims):  # a computed shape: a list slice
+        (start, end, step) = (starts[0], ends[0], steps[0]) if axes in ([0], [-1]) else (0, 0, 0)
+        if not step:
+            raise unsupported(node, "a shape is sliced on its one axis")
+        return Dims(x[start : None if end >= HUGE else end : step])
     rank = b.rank(node.input[0])
     if any(ax < 0 for ax in axes) and rank is None:
         raise unsupported(node, "negative axes need the input's rank, which is unknown")
@@ -310,18 +320,18 @@ def _slice(b: Builder, node: onnx.NodeProto) -> Any:
             raise unsupported(node, "negative steps are not supported")
         stop = None if end >= HUGE else end
         index[ax] = slice(start, stop, step if step != 1 else None)
-    return b.call(operator.getitem, b.env[node.input[0]], tuple(index))
+    return b.call(operator.getitem, x, tuple(index))
 
 
 def _reshape(b: Builder, node: onnx.NodeProto) -> Any:
     x = b.env[node.input[0]]
-    shape: list[Any] = [int(v) for v in b.const(node, 1).tolist()]
+    shape: list[Any] = list(_dims(b, node, node.input[1]))
     allowzero = bool(attrs(node).get("allowzero", 0))
     dims = b.shapes.get(node.input[0]) or []
     if b.free_batch and shape and shape[0] == 1 and dims[:1] == [1]:
         shape[0] = 0  # the fixed batch of 1: keep the input's first axis, whatever its rows
     for i, v in enumerate(shape):
-        if v == 0 and not allowzero:
+        if isinstance(v, int) and v == 0 and not allowzero:
             shape[i] = b.graph.call_method("size", (x, i))
     return b.graph.call_method("reshape", (x, tuple(shape)))
 
@@ -374,6 +384,10 @@ def _squeeze(b: Builder, node: onnx.NodeProto) -> Any:
 
 def _unsqueeze(b: Builder, node: onnx.NodeProto) -> Any:
     x, axes = b.env[node.input[0]], _axes(b, node)
+    if isinstance(x, Dims):
+        if not x.scalar or axes not in ([0], [-1]):
+            raise unsupported(node, "a computed shape is unsqueezed from one entry only")
+        return Dims(x)
     if any(ax < 0 for ax in axes):
         raise unsupported(node, "negative axes are not supported")
     for ax in sorted(axes):
@@ -398,6 +412,51 @@ def _leaky_relu(b: Builder, node: onnx.NodeProto) -> Any:
 
 def _identity(b: Builder, node: onnx.NodeProto) -> Any:
     return b.env[node.input[0]]
+
+
+class Dims(list[Any]):
+    """A shape the graph computes (``Shape`` and the ops after it, e.g. ``Reshape(x,
+    Concat(Slice(Shape(y), 0, 1), [-1]))``): its entries are ints, or fx nodes for the axes
+    known only at run time (the rows' axis always). ``scalar``: one entry taken by ``Gather``."""
+
+    scalar = False
+
+
+def _dims(b: Builder, node: onnx.NodeProto, name: str) -> Dims:
+    value = b.env[name]
+    if isinstance(value, Dims):
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim <= 1:
+        return Dims(int(v) for v in value.reshape(-1))
+    raise unsupported(node, f"{name} must be a constant or a shape computed from Shape")
+
+
+def _shape(b: Builder, node: onnx.NodeProto) -> Any:
+    x, a = b.env[node.input[0]], attrs(node)
+    static = b.shapes.get(node.input[0])
+    if static is None:
+        raise unsupported(node, "the input's rank is unknown")
+    dims = Dims(
+        d if d is not None and i > 0 else b.graph.call_method("size", (x, i))
+        for i, d in enumerate(static)
+    )
+    return Dims(dims[int(a.get("start", 0)) : a.get("end")])
+
+
+def _cast(b: Builder, node: onnx.NodeProto) -> Any:
+    x, to = b.env[node.input[0]], int(attrs(node)["to"])
+    if isinstance(x, Dims) or to == onnx.TensorProto.FLOAT:
+        return x  # a shape's type is moot; float stays float
+    raise unsupported(node, f"a cast of a tensor to {onnx.TensorProto.DataType.Name(to)}")
+
+
+def _gather(b: Builder, node: onnx.NodeProto) -> Any:
+    x, index = b.env[node.input[0]], b.const(node, 1)
+    if not isinstance(x, Dims) or int(attrs(node).get("axis", 0)) != 0:
+        raise unsupported(node, "only entries of a computed shape are gathered")
+    out = Dims(x[int(i)] for i in index.reshape(-1))
+    out.scalar = index.ndim == 0
+    return out
 
 
 CONVERTERS: dict[str, Callable[[Builder, onnx.NodeProto], Any]] = {
@@ -431,4 +490,7 @@ CONVERTERS: dict[str, Callable[[Builder, onnx.NodeProto], Any]] = {
     "Squeeze": _squeeze,
     "Unsqueeze": _unsqueeze,
     "Identity": _identity,
+    "Shape": _shape,
+    "Cast": _cast,
+    "Gather": _gather,
 }
