@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 
 from .cache import StepCache
-from .candidate import Candidate, file_hash, module_hash
+from .candidate import (
+    Candidate,
+    artifact_files,
+    artifact_hash,
+    artifact_size,
+    file_hash,
+    is_ir,
+    module_hash,
+)
 from .context import StepContext, step_key_parts
 from .errors import RecipeError, SlimlineError, StepError, error_text, is_user_error
 from .export import ExportConfig
@@ -695,10 +703,14 @@ def _settled_slower(run: Run, parent: Candidate, cand: Candidate) -> Until:
 
 
 def _size(c: Candidate) -> int | None:
-    return Path(c.onnx).stat().st_size if c.onnx is not None else None
+    return artifact_size(c.onnx) if c.onnx is not None else None
 
 
 def _params(c: Candidate) -> int | None:
+    if c.onnx is not None and is_ir(c.onnx):
+        from .measure.ov import ov_param_count
+
+        return ov_param_count(Path(c.onnx))
     if c.onnx is not None:
         import onnx
 
@@ -1004,7 +1016,7 @@ def _profile(run: Run) -> None:
     for name in sorted({"fp32-onnx", selected.name} & set(targets)):
         path = targets[name].onnx
         assert path is not None
-        if "onnxruntime" in run.runtimes:
+        if "onnxruntime" in run.runtimes and not is_ir(path):  # an IR runs on OpenVINO only
             profiles[name] = profile_ops(path, sample, run.threads)
         if "openvino" in run.runtimes:
             from .measure.ov_profile import ov_profile_ops
@@ -1055,10 +1067,11 @@ def _selected(run: Run) -> Candidate:
 def _entry(run: Run, c: Candidate) -> dict[str, Any]:
     artifact = None
     if c.onnx is not None:
-        artifact = f"artifacts/{c.name}.onnx"
+        artifact = f"artifacts/{c.name}{'.xml' if is_ir(c.onnx) else '.onnx'}"
         dst = run.out / artifact
-        if not dst.exists() or file_hash(dst) != c.content_hash():
-            atomic_copy(c.onnx, dst)
+        if not dst.exists() or artifact_hash(dst) != c.content_hash():
+            for src, to in zip(artifact_files(c.onnx), artifact_files(dst), strict=True):
+                atomic_copy(src, to)
     m = c.measurement or {}
     return {
         "name": c.name,
