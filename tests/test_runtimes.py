@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from slimline import steps as registry
 from slimline.candidate import Candidate
 from slimline.config import StepConfig
-from slimline.errors import RuntimeMissingError, is_user_error
+from slimline.errors import RuntimeMissingError, ServeError, is_user_error
 from slimline.pick import side_by_side
 from slimline.pipeline import run_recipe
 from slimline.recipe import TargetConfig, recipe_from_dict
@@ -139,6 +139,14 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
             else:  # rejected there by its accept/reject test: never the pick, not timed again
                 assert "latency_ms" not in f and ("not_timed" in f or "failed" in f)
     assert set(by_name["quantize"]["meta"]["runtime_verdicts"]) == {"onnxruntime", "openvino"}
+    ir = by_name["quantize-nncf-ov"]  # NNCF's documented OpenVINO path: an IR, judged on OpenVINO
+    assert (
+        ir["artifact"].endswith(".xml") and (run.out / ir["artifact"]).with_suffix(".bin").is_file()
+    )
+    assert ir["meta"]["nncf"]["backend"] == "openvino" and ir["meta"]["nncf"]["fake_quantize"] > 0
+    ov_verdict = ir["meta"]["runtime_verdicts"]["openvino"]["reason"]
+    assert not ov_verdict.startswith("failed") and "cosine" in ov_verdict
+    assert "runs on OpenVINO only" in ir["runtimes"]["onnxruntime"]["failed"]
     pick = m["runtime_pick"]
     eligible = [p for p in pick["pairs"] if p["eligible"] and p["within_budget"]]
     fastest = min(eligible, key=lambda p: p["p50_ms"])
@@ -156,6 +164,10 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
     (served,) = load_served_models([run.out], threads=1)
     assert served.meta["runtime"] == m["selected_runtime"]
     other = "openvino" if m["selected_runtime"] == "onnxruntime" else "onnxruntime"
+    if chosen["artifact"].endswith(".xml"):  # an IR runs on OpenVINO only
+        with pytest.raises(ServeError, match="runs on OpenVINO only"):
+            load_served_models([run.out], threads=1, runtime=other)
+        return
     (overridden,) = load_served_models([run.out], threads=1, runtime=other)
     assert overridden.meta["runtime"] == other
     assert overridden.backend.platform.startswith(other)
@@ -184,6 +196,8 @@ def test_nncf_competes_with_the_qdq_pick_on_one_runtime(
     else:
         assert nncf.get("alternative") and "quantize" in in_chain
     assert m["selected_runtime"] == "onnxruntime" and set(m["runtimes"]) == {"onnxruntime"}
+    ir = entries["quantize-nncf-ov"]  # an OpenVINO IR: not built for an ONNX Runtime target
+    assert not ir["accepted"] and ir["artifact"] is None and "OpenVINO only" in ir["reason"]
 
 
 @pytest.mark.cpu_kinds

@@ -7,7 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QUANTIZABLE_SOURCE", "Candidate", "module_hash", "quantizable_graph"]
+__all__ = [
+    "QUANTIZABLE_SOURCE",
+    "Candidate",
+    "artifact_files",
+    "artifact_size",
+    "is_ir",
+    "module_hash",
+    "quantizable_graph",
+]
+
+# OpenVINO IR: the ``.xml`` graph a candidate's ``onnx`` names, its weights in the ``.bin`` beside it
+IR_SUFFIX, IR_WEIGHTS = ".xml", ".bin"
 
 # meta key: the file, beside the candidate's ONNX, of an equivalent float graph offline tools can
 # read, set by a step whose saved graph holds runtime-only fusions (FusedConv, FusedMatMul)
@@ -18,6 +29,8 @@ QUANTIZABLE_SOURCE = "quantizable_source"
 class Candidate:
     """A model version. ``onnx`` is the artifact measured on the target runtime; ``module`` is
     the torch model it came from, where one exists (FP32 reference, pruned model before export).
+    ``onnx`` may also name an OpenVINO IR (``.xml``, weights in the ``.bin`` beside it), which
+    runs on OpenVINO only (:func:`is_ir`).
     ``meta`` is the step's record of what it applied (precision map, op counts, plan, ...);
     it must stay JSON-serialisable because it goes into the manifest."""
 
@@ -37,7 +50,7 @@ class Candidate:
 
     def content_hash(self) -> str:
         if self.onnx is not None:
-            return file_hash(self.onnx)
+            return artifact_hash(Path(self.onnx))
         if self.module is not None:
             return module_hash(self.module)
         raise ValueError(f"candidate {self.name} has neither an ONNX file nor a module")
@@ -50,6 +63,32 @@ def quantizable_graph(cand: Candidate) -> Path:
         raise ValueError(f"candidate {cand.name} has no ONNX graph")
     source = cand.meta.get(QUANTIZABLE_SOURCE)
     return Path(cand.onnx).parent / source if source else Path(cand.onnx)
+
+
+def is_ir(path: Path | str | None) -> bool:
+    """Whether ``path`` is an OpenVINO IR graph (``.xml``): an artifact only OpenVINO runs."""
+    return path is not None and Path(path).suffix == IR_SUFFIX
+
+
+def artifact_files(path: Path) -> list[Path]:
+    """The files of an artifact: the ONNX file, or an IR's ``.xml`` and its ``.bin``."""
+    path = Path(path)
+    return [path, path.with_suffix(IR_WEIGHTS)] if is_ir(path) else [path]
+
+
+def artifact_size(path: Path) -> int:
+    """Bytes on disk of an artifact's files (an IR's weights included)."""
+    return sum(f.stat().st_size for f in artifact_files(path) if f.is_file())
+
+
+def artifact_hash(path: Path) -> str:
+    """The content hash of an artifact: its file's, or for an IR the hash over both files."""
+    if not is_ir(path):
+        return file_hash(path)
+    h = hashlib.sha256()
+    for f in artifact_files(path):
+        h.update(file_hash(f).encode())
+    return "sha256:" + h.hexdigest()
 
 
 def file_hash(path: Path) -> str:

@@ -29,6 +29,7 @@ __all__ = [
     "OvRunner",
     "ov_compile",
     "ov_message",
+    "ov_param_count",
     "ov_settings",
     "ov_version",
     "require_openvino",
@@ -110,6 +111,18 @@ def ov_compile(
         raise CandidateError(
             f"OpenVINO cannot load {path.name}, a candidate slimline wrote: {why}"
         ) from None
+
+
+def ov_param_count(path: Path) -> int:
+    """Elements in the constants of an OpenVINO model file (its weights, INT8 ones included)."""
+    model = require_openvino().Core().read_model(str(path))
+    return int(
+        sum(
+            int(np.prod(list(op.get_output_shape(0)) or [1]))
+            for op in model.get_ops()
+            if op.get_type_name() == "Constant"
+        )
+    )
 
 
 def _port_dtype(port: Any) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..candidate import Candidate
+from ..candidate import Candidate, is_ir
 from ..errors import CandidateError, InputMismatchError, ModelFileError, SlimlineError
 from ..module_guard import eval_module, torch_threads
 from ..signature import ModelInput, Signature
@@ -165,6 +165,17 @@ def check_candidate(path: Path, threads: int = 1) -> None:
     Raises :class:`CandidateError` with the checker's or the runtime's message and the node."""
     import onnx
 
+    if is_ir(path):  # OpenVINO IR: checked by OpenVINO reading it (it runs on OpenVINO only)
+        from .ov import ov_message, require_openvino
+
+        try:
+            require_openvino().Core().read_model(str(path))
+        except Exception as err:
+            raise CandidateError(
+                f"OpenVINO cannot read {Path(path).name}, a candidate slimline wrote: "
+                f"{ov_message(err)}"
+            ) from None
+        return
     try:
         onnx.checker.check_model(str(path))
     except Exception as err:  # ValidationError, or a protobuf/IO error on a broken file
@@ -268,6 +279,11 @@ def make_runner(
     else its torch module."""
     if cand.onnx is not None and runtime == "openvino":
         return OvRunner(cand.name, cand.onnx, threads, signature)
+    if is_ir(cand.onnx):
+        raise CandidateError(
+            f"{cand.name} is an OpenVINO IR ({Path(str(cand.onnx)).name}): it runs on OpenVINO "
+            "only, not on ONNX Runtime"
+        )
     if cand.onnx is not None:
         return OrtRunner(cand.name, cand.onnx, threads, signature)
     if cand.module is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..candidate import Candidate
+from ..candidate import Candidate, is_ir
 from ..context import StepContext
 from ..errors import error_text, is_user_error
 from ..measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift
@@ -327,7 +327,7 @@ def _profile(run: Run) -> None:
     for name in sorted({"fp32-onnx", selected.name} & set(targets)):
         path = targets[name].onnx
         assert path is not None
-        if "onnxruntime" in run.runtimes:
+        if "onnxruntime" in run.runtimes and not is_ir(path):  # an IR runs on OpenVINO only
             profiles[name] = profile_ops(path, sample, run.threads)
         if "openvino" in run.runtimes:
             from ..measure.ov_profile import ov_profile_ops

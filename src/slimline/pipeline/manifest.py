@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..candidate import Candidate, file_hash
+from ..candidate import Candidate, artifact_files, artifact_hash, is_ir
 from ..envlock import environment_record
 from ..record import MANIFEST_SCHEMA, atomic_copy, atomic_write_json, hardware, now_iso
 from ..runtimes import runtime_record
@@ -60,10 +60,11 @@ def write_manifest(run: Run, status: str) -> None:
 def _entry(run: Run, c: Candidate) -> dict[str, Any]:
     artifact = None
     if c.onnx is not None:
-        artifact = f"artifacts/{c.name}.onnx"
+        artifact = f"artifacts/{c.name}{'.xml' if is_ir(c.onnx) else '.onnx'}"
         dst = run.out / artifact
-        if not dst.exists() or file_hash(dst) != c.content_hash():
-            atomic_copy(c.onnx, dst)
+        if not dst.exists() or artifact_hash(dst) != c.content_hash():
+            for src, to in zip(artifact_files(c.onnx), artifact_files(dst), strict=True):
+                atomic_copy(src, to)
     m = c.measurement or {}
     return {
         "name": c.name,

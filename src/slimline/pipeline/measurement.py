@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..candidate import Candidate
+from ..candidate import Candidate, artifact_size, is_ir
 from ..context import StepContext
 from ..measure.latency import Until, benchmark, cannot_be_faster
 from ..measure.quality import Quality, evaluate
@@ -119,10 +119,14 @@ def settled_slower(run: Run, parent: Candidate, cand: Candidate) -> Until:
 
 
 def file_size(c: Candidate) -> int | None:
-    return Path(c.onnx).stat().st_size if c.onnx is not None else None
+    return artifact_size(c.onnx) if c.onnx is not None else None
 
 
 def param_count(c: Candidate) -> int | None:
+    if c.onnx is not None and is_ir(c.onnx):
+        from ..measure.ov import ov_param_count
+
+        return ov_param_count(Path(c.onnx))
     if c.onnx is not None:
         import onnx
 

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..candidate import is_ir
 from ..edge.setting import MemorySetting, session_path
 from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
 from ..measure.ov import ov_compile, ov_message
@@ -356,4 +357,9 @@ def make_backend(
     an OpenVINO model needs one stream per instance."""
     if runtime == "openvino":
         return OvBackend(path, threads, streams=instances)
+    if is_ir(path):
+        raise ServeError(
+            f"{path.name} is an OpenVINO IR, which runs on OpenVINO only; serve it with "
+            "--runtime openvino"
+        )
     return OrtBackend(path, threads, spinning=spinning, memory=memory)

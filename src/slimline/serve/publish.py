@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ..candidate import artifact_files
 from ..errors import ServeError
 from .model import resolve_model_path
 from .monitor import REFERENCE_FILE
@@ -127,8 +128,8 @@ def _copy_version(run_dir: Path, artifact: Path, model_dir: Path, version: int) 
     relative = artifact.relative_to(run_dir)
     (staging / relative.parent).mkdir(parents=True)
     shutil.copy2(run_dir / "manifest.json", staging / "manifest.json")
-    for path in artifact.parent.glob(artifact.name + "*"):  # model.onnx and model.onnx.data
-        shutil.copy2(path, staging / relative.parent / path.name)
+    for path in {*artifact.parent.glob(artifact.name + "*"), *artifact_files(artifact)}:
+        shutil.copy2(path, staging / relative.parent / path.name)  # + .onnx.data, or an IR's .bin
     if (run_dir / REFERENCE_FILE).is_file():
         shutil.copy2(run_dir / REFERENCE_FILE, staging / REFERENCE_FILE)
     try:

@@ -85,7 +85,8 @@ class QuantizeConfig(StepConfig):
     nncf: bool = Field(
         False,
         description="also build NNCF's PTQ model (slimline[openvino]) from the same float graph "
-        "and calibration data; it competes with the chosen QDQ candidate on the same budget",
+        "and calibration data, and, where the target runs OpenVINO, NNCF's documented OpenVINO "
+        "path (an OpenVINO IR); they compete with the chosen QDQ candidate on the same budget",
     )
 
     @model_validator(mode="after")

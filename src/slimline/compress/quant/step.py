@@ -119,7 +119,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=6,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped
+    version=7,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI
     reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
@@ -179,10 +179,12 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         for n in t.notes:
             ctx.warn(f"quantize: {n}")
     ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
-    if cfg.nncf:
+    if cfg.nncf:  # NNCF's ONNX backend, and its documented OpenVINO path (..nncf_ov)
+        from ..nncf_ov import nncf_ov_alternative
         from ..nncf_ptq import nncf_alternative
 
         ctx.alternatives.append(nncf_alternative(cand, ctx, cfg.samples))
+        ctx.alternatives.append(nncf_ov_alternative(cand, ctx, cfg.samples))
     out = Candidate(
         name="quantize",
         step="quantize",
