@@ -432,6 +432,7 @@ def search_record(m: dict[str, Any]) -> dict[str, Any] | None:
         "trials": len(trials),
         "screened": sum(1 for t in trials if t.get("screened")),
         "stopped": search.get("stopped"),
+        "timings_s": meta.get("timings_s"),
     }
 
 
@@ -467,9 +468,23 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the README's main job, `slimline optimize minilm --runtime auto`",
     )
+    ap.add_argument(
+        "--avx2",
+        type=Path,
+        help="with --render: the fidelity columns on the emulated AVX2 kind "
+        "(bench/zoo_peers.py --quality under qemu), shown beside the native ones",
+    )
+    ap.add_argument(
+        "--peers-only",
+        type=Path,
+        help="run only the yardstick again, on the finished runs of this result JSON's work "
+        "folders (--only: those models), and write the JSON with the new rows",
+    )
     args = ap.parse_args(argv)
+    if args.peers_only:
+        return peers_again(args.peers_only, args.only, args.out)
     if args.render:
-        return render_files(args.render, args.out)
+        return render_files(args.render, args.out, args.avx2)
     if args.only:
         models = [BY_NAME[n] for n in args.only]
     else:
@@ -507,11 +522,30 @@ def _conditions(limit_s: float) -> dict[str, Any]:
     }
 
 
-def render_files(paths: list[Path], out: Path | None) -> int:
+def peers_again(path: Path, only: list[str] | None, out: Path | None) -> int:
+    doc = json.loads(path.read_text())
+    for r in doc["models"]:
+        if (only and r["model"] not in only) or r.get("status") != "complete":
+            continue
+        print(f"zoo: yardstick again: {r['model']} ...", file=sys.stderr, flush=True)
+        work = Path(r["work"])
+        shutil.rmtree(work / "peers", ignore_errors=True)
+        r["peers"] = yardstick(work / "recipe.yaml", work)
+        r["peers"]["again"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    doc["commands"] = [*doc.get("commands", []), reproduce_command("zoo.py", sys.argv[1:])]
+    publish(render(doc), doc, out, "zoo.py")
+    return 0
+
+
+def render_files(paths: list[Path], out: Path | None, avx2: Path | None = None) -> int:
     docs = [json.loads(p.read_text()) for p in paths]
     merged: dict[str, dict[str, Any]] = {}
     for d in docs:
         merged.update({r["model"]: r for r in d["models"]})
+    for r in merged.values():  # the manifest's figures again, where its run is still there
+        manifest = Path(r.get("work") or "/nonexistent") / "run" / "manifest.json"
+        if manifest.is_file():
+            r.update(summarize(json.loads(manifest.read_text())))
     order = [m.name for m in MODELS if m.name in merged]
     results = [merged[n] for n in order + sorted(set(merged) - set(order))]
     quick = any(d["quick"] for d in docs)
@@ -521,6 +555,11 @@ def render_files(paths: list[Path], out: Path | None) -> int:
     main_jobs = [d["main_job"] for d in docs if d.get("main_job")]
     if main_jobs:
         doc["main_job"] = main_jobs[-1]
+    doc["written"] = max(d["written"] for d in docs)  # when the figures were measured
+    if avx2 is not None:
+        doc["avx2"] = json.loads(avx2.read_text())
+    elif any(d.get("avx2") for d in docs):
+        doc["avx2"] = next(d["avx2"] for d in reversed(docs) if d.get("avx2"))
     publish(render(doc), doc, out, "zoo.py")
     return 0
 

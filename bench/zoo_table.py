@@ -130,7 +130,9 @@ def peer_rows(results: list[dict[str, Any]]) -> list[str]:
                 f"{_num(x['cosine'], '.4f')} | {ok} | {x['size_mb']} | {_num(x['build_s'], '.1f')} |"
             )
         for name, why in (peers.get("failed") or {}).items():
-            why = short_paths(why)[:160].replace("|", "/")
+            # the runner's load error names the file's author as slimline: here it is the peer's
+            why = why.replace("a candidate slimline wrote", f"the file {name} wrote")
+            why = short_paths(why)[:200].replace("|", "/")
             lines.append(f"| {r['model']} | {name} | - | failed: {why} | | | | | | |")
     return lines
 
@@ -188,6 +190,8 @@ def render(doc: dict[str, Any]) -> str:
         "",
         *[f"- {r['model']} ({r['kind']}): {verdicts(r)}" for r in results],
     ]
+    if doc.get("avx2"):
+        lines += ["", *avx2_rows(doc["avx2"], results)]
     footer = reproduce_footer(cmds[0])
     footer[-1:-1] = [f"    {c}" for c in cmds[1:]]
     return "\n".join(lines + footer)
@@ -199,3 +203,38 @@ def load_note(results: list[dict[str, Any]]) -> str:
     if not loads:
         return ""
     return f"One-minute load average before/after each model: {min(loads):.1f}-{max(loads):.1f}."
+
+
+def avx2_rows(avx2: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    """The same files' fidelity on the emulated AVX2 kind (quality only: emulated timing means
+    nothing), beside the native verdict."""
+    native = {
+        (r["model"], x["name"]): x for r in results for x in (r.get("peers") or {}).get("rows", [])
+    }
+    rows = (
+        f"the first {avx2['rows']} evaluation rows" if avx2.get("rows") else "every evaluation row"
+    )
+    lines = [
+        f"The same files' fidelity on the emulated AVX2 kind ({avx2['cpu']}; qemu, "
+        f"`bench/zoo_peers.py --quality`, {rows}; no timing):",
+        "",
+        "| model | row | agreement AVX2 | cosine AVX2 | in budget AVX2 | in budget native |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, m in avx2["models"].items():
+        if m.get("error"):
+            lines.append(f"| {model} | failed: {short_paths(m['error'])[:160]} | | | | |")
+            continue
+        for x in m["rows"]:
+            nat = native.get((model, x["name"]))
+            was = "-" if nat is None else ("yes" if nat["in_budget"] else "no")
+            if x.get("error"):
+                err = short_paths(x["error"])[:120].replace("|", "/")
+                lines.append(f"| {model} | {x['name']} | failed: {err} | | | {was} |")
+                continue
+            ok = "yes" if x["in_budget"] else f"no ({x['why']})"
+            lines.append(
+                f"| {model} | {x['name']} | {_num(x['agreement'], '.4f')} | "
+                f"{_num(x['cosine'], '.4f')} | {ok} | {was} |"
+            )
+    return lines
