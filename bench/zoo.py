@@ -43,9 +43,9 @@ import yaml
 
 import zoo_inputs as zi
 import zoo_peers
+import zoo_table
 from bench_out import publish, reproduce_command
 from slimline.recipe import Recipe
-from zoo_table import render
 
 THREADS = 2
 HERE = Path(__file__).resolve().parent
@@ -434,6 +434,11 @@ def search_record(m: dict[str, Any]) -> dict[str, Any] | None:
         "stopped": search.get("stopped"),
         "timings_s": meta.get("timings_s"),
     }
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The results section, from the JSON alone (bench/zoo_table.py)."""
+    return zoo_table.render(doc)
 
 
 def cpu_kind() -> str:
