@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         except Exception as err:
             models[work.name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    doc = {"cpu": detect().describe(), "rows": args.rows, "models": models}
-    args.out.write_text(json.dumps(doc, indent=1, default=str))
+        doc = {"cpu": detect().describe(), "rows": args.rows, "models": models}
+        args.out.write_text(json.dumps(doc, indent=1, default=str))  # after each model
     return 0
 
 
