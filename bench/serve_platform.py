@@ -160,8 +160,8 @@ def main() -> None:
             doc[part] = _measure(part, args)
             # kept as soon as it is measured, before anything can fail in rendering it
             atomic_write_text(stored, json.dumps(doc, indent=1, default=str))
-            publish(render(doc), doc, RESULTS, SCRIPT)
-    publish(render(doc), doc, RESULTS, SCRIPT)
+            publish(render(doc), doc, RESULTS, "serve_platform.py")
+    publish(render(doc), doc, RESULTS, "serve_platform.py")
 
 
 if __name__ == "__main__":
