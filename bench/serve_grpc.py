@@ -6,7 +6,8 @@ the load generator sends, in rotating order within each round, one-row HTTP bina
 requests, the same rows as gRPC ``ModelInfer`` calls with ``raw_input_contents``, and as
 requests on one gRPC ``ModelStreamInfer`` stream (Triton's streaming infer). Per rate and
 protocol the median p99 over the rounds decides: the knee is the highest rate that, with every
-rate below it, keeps the median p99 within the SLO (50 ms) with under 1% of requests failing.
+rate below it, keeps the median p99 within the SLO (50 ms) with under 1% of requests failing. A
+protocol that failed a step has its knee and is not sent the higher rates.
 
 Before the sweep, a closed loop (8 users, alternating) gives each protocol's CPU per request:
 the server process's and the load generator's (this process), which share the 2 cores.
@@ -121,17 +122,31 @@ def measure(path: Any, rows: dict[str, np.ndarray], rates: list[float], rounds: 
             for proto in PROTOCOLS[r % 3 :] + PROTOCOLS[: r % 3]:
                 closed[proto].append(_closed(proto, ends, loads[proto], server))
         for rate in rates:
-            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PROTOCOLS}
-            for r in range(rounds):  # the order rotates, so no protocol always goes first
-                for proto in PROTOCOLS[r % 3 :] + PROTOCOLS[: r % 3]:
+            going = [p for p in PROTOCOLS if not steps[p] or passes(steps[p][-1])]
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in going}
+            for r in range(rounds):  # the order rotates, so no contender always goes first
+                for proto in going[r % len(going) :] + going[: r % len(going)]:
                     runs[proto].append(_open(proto, ends, loads[proto], rate, seconds, r))
             for proto, got in runs.items():
                 steps[proto].append(merge_rounds(got))
-            print(rate, {p: round(steps[p][-1]["p99_ms"], 1) for p in PROTOCOLS}, flush=True)
+            print(rate, {p: round(steps[p][-1]["p99_ms"], 1) for p in going}, flush=True)
+            if not runs:
+                break
     cpu = {p: {k: statistics.median(c[k] for c in v) for k in v[0]} for p, v in closed.items()}
     return {"flags": FLAGS, "slo_ms": SLO_MS, "rounds": rounds, "seconds": seconds,
             "steps": steps, "knees": {p: knee(s) for p, s in steps.items()},
             "closed_loop": cpu}  # fmt: skip
+
+
+def step_rows(steps: dict[str, list[dict[str, Any]]], names: tuple[str, ...]) -> list[str]:
+    """One table row per offered rate: each contender's median p50 / p99, "-" once it stopped."""
+    rates = sorted({s["offered_rps"] for v in steps.values() for s in v})
+    rows = []
+    for rate in rates:
+        found = {n: next((s for s in steps[n] if s["offered_rps"] == rate), None) for n in names}
+        cells = [f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f}" if s else "-" for s in found.values()]
+        rows.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def render(part: dict[str, Any]) -> list[str]:
@@ -146,9 +161,7 @@ def render(part: dict[str, Any]) -> list[str]:
         "| offered req/s | " + " | ".join(f"{NAMES[p]} p50 / p99 ms" for p in PROTOCOLS) + " |",
         "|---|" + "---|" * len(PROTOCOLS),
     ]
-    for i, step in enumerate(steps["http"]):
-        cells = [f"{steps[p][i]['p50_ms']:.1f} / {steps[p][i]['p99_ms']:.1f}" for p in PROTOCOLS]
-        lines.append(f"| {step['offered_rps']:g} | " + " | ".join(cells) + " |")
+    lines += step_rows(steps, PROTOCOLS)
     shown = {p: f"{shown_knee(steps[p])} req/s" for p in PROTOCOLS}
     lines += ["", f"Knee (it and every step below: median p99 <= {part['slo_ms']:g} ms, <1% "
               "failed): " + ", ".join(f"{NAMES[p]} **{shown[p]}**" for p in PROTOCOLS) + "."]  # fmt: skip

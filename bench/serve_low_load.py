@@ -10,7 +10,7 @@ latency) and ``parallel_workers=1`` (its default: one inference worker process).
    same schedule to each server in alternating rounds; median p50 over the rounds.
 2. The knee: the same sweep of offered rates for each server, interleaved per rate; the knee
    is the highest rate that, with every rate below it, keeps the median p99 within 50 ms with
-   under 1% of requests failing.
+   under 1% of requests failing; a server that failed a step is not sent the higher rates.
 
 Both over JSON with slimline's load generator (MLServer has no binary tensor extension).
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from serve_common import open_loop, payloads
-from serve_grpc import knee, merge_rounds, shown_knee
+from serve_grpc import knee, merge_rounds, passes, shown_knee, step_rows
 from serve_mlserver import mlserver
 from slimline.serve import run_in_subprocess
 
@@ -58,15 +58,18 @@ def measure(path: Path, rows: dict[str, np.ndarray], mlserver_bin: Path, *, rate
                 low[name].append(open_loop(urls[name], "mnist", loads, rate, seconds, seed=r))
             print("low", r, {s: round(low[s][-1]["p50_ms"], 2) for s in SERVERS}, flush=True)
         for step in rates:
-            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SERVERS}
+            going = [s for s in SERVERS if not steps[s] or passes(steps[s][-1])]
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in going}
             for r in range(knee_rounds):
-                for name in SERVERS[r % 3 :] + SERVERS[: r % 3]:
+                for name in going[r % len(going) :] + going[: r % len(going)]:
                     run = open_loop(urls[name], "mnist", loads, step, step_s, seed=100 + r)
                     run["offered_rps"] = step
                     runs[name].append(run)
             for name, got in runs.items():
                 steps[name].append(merge_rounds(got))
-            print("knee", step, {s: round(steps[s][-1]["p99_ms"], 1) for s in SERVERS}, flush=True)
+            print("knee", step, {s: round(steps[s][-1]["p99_ms"], 1) for s in going}, flush=True)
+            if not runs:
+                break
     p50 = {s: statistics.median(x["p50_ms"] for x in v) for s, v in low.items()}
     return {"flags": FLAGS, "rate": rate, "seconds": seconds, "rounds": rounds,
             "knee_rounds": knee_rounds, "step_s": step_s, "low": low, "p50_ms": p50,
@@ -103,8 +106,5 @@ def render(part: dict[str, Any]) -> list[str]:
         lines.append(f"| {NAMES[s]} | **{p50[s]:.2f}** ({rounds}) | {p99} | **{shown}** |")
     lines += ["", "| offered req/s | " + " | ".join(f"{NAMES[s]} p50 / p99 ms" for s in SERVERS)
               + " |", "|---|" + "---|" * len(SERVERS)]  # fmt: skip
-    for i, step in enumerate(part["steps"]["slimline"]):
-        cells = [f"{part['steps'][s][i]['p50_ms']:.1f} / {part['steps'][s][i]['p99_ms']:.1f}"
-                 for s in SERVERS]  # fmt: skip
-        lines.append(f"| {step['offered_rps']:g} | " + " | ".join(cells) + " |")
+    lines += step_rows(part["steps"], SERVERS)
     return lines

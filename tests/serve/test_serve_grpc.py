@@ -248,3 +248,12 @@ def test_api_token_guards_all_but_health() -> None:
         assert info.value.status() == "StatusCode.UNAUTHENTICATED"
         result = client.infer("fake", _fake_input(), headers={"authorization": "Bearer s3cret"})
         np.testing.assert_array_equal(result.as_numpy("x"), [[2.0, 2.0]])
+        request = pb.ModelInferRequest(model_name="fake", raw_input_contents=[b"\0" * 8])
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+        with grpc.insecure_channel(str(handle.grpc_target)) as channel:
+            stream = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stream(iter([request])))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            (answer,) = stream(iter([request]), metadata=[("authorization", "Bearer s3cret")])
+            assert answer.error_message == "" and answer.infer_response.model_name == "fake"
