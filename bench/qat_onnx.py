@@ -345,8 +345,9 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"{doc['date']}, CPU: {doc['cpu']} (CPU kind {doc['cpu_kind']}). Training and "
         "evaluation at 1 thread, outside the timing lock; latency at 2 threads, FP32, PTQ and QAT "
-        "timed interleaved under the lock. Budget: `min_agreement` 0.99 on the declared output, "
-        "`min_cosine` 0.99.",
+        "timed interleaved in one run, under the timing lock where another job did not keep it "
+        "(each model says), so quote the ratios. Budget: `min_agreement` 0.99 on the declared "
+        "output, `min_cosine` 0.99.",
         "",
     ]
     for r in doc["models"]:
