@@ -183,7 +183,13 @@ def timing_lock(wait_s: float = LOCK_WAIT_S) -> Iterator[dict[str, Any]]:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def run_model(name: str, work: Path, steps: int | None) -> dict[str, Any]:
+def run_model(
+    name: str,
+    work: Path,
+    steps: int | None,
+    extra: dict[str, Any] | None = None,
+    lock_wait: float = LOCK_WAIT_S,
+) -> dict[str, Any]:
     from slimline import api, load_task
     from slimline.candidate import Candidate
     from slimline.compress.qat.compare import ptq_rows
@@ -201,7 +207,7 @@ def run_model(name: str, work: Path, steps: int | None) -> dict[str, Any]:
     task = load_task(rec.task, rec.samples, rec.eval_samples, outputs=rec.outputs)
     task = _rebatched(task, m.batch)
     ctx = api.context_for(task, rec, work / "train", timed=False, cache=work / "cache")
-    settings = {**m.qat, "check_samples": 16, "progress": False}
+    settings = {**m.qat, **(extra or {}), "check_samples": 16, "progress": False}
     if steps is not None:
         settings["finetune"] = {**settings["finetune"], "steps": steps}
     cfg = QatConfig.model_validate(settings)
@@ -220,7 +226,7 @@ def run_model(name: str, work: Path, steps: int | None) -> dict[str, Any]:
         work / "time",
         cache=work / "cache",
     )
-    with timing_lock() as loads:
+    with timing_lock(lock_wait) as loads:
         lat = timed.compare(list(cands.values()))
     comparison = qat.meta["comparison"]
     rows = comparison["rows"]
@@ -339,8 +345,9 @@ def render(doc: dict[str, Any]) -> str:
         "",
         f"{doc['date']}, CPU: {doc['cpu']} (CPU kind {doc['cpu_kind']}). Training and "
         "evaluation at 1 thread, outside the timing lock; latency at 2 threads, FP32, PTQ and QAT "
-        "timed interleaved under the lock. Budget: `min_agreement` 0.99 on the declared output, "
-        "`min_cosine` 0.99.",
+        "timed interleaved in one run, under the timing lock where another job did not keep it "
+        "(each model says), so quote the ratios. Budget: `min_agreement` 0.99 on the declared "
+        "output, `min_cosine` 0.99.",
         "",
     ]
     for r in doc["models"]:
@@ -358,17 +365,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="training steps (default: each model's)")
     ap.add_argument("--work", type=Path, default=HERE / "out" / "qat-onnx")
     ap.add_argument("--out", type=Path, help="write the markdown here (and .json beside)")
+    ap.add_argument("--render", action="store_true", help="run nothing: the saved results")
+    ap.add_argument("--qat", type=json.loads, help="qat step settings over the model's (JSON)")
+    ap.add_argument("--lock-wait", type=float, default=LOCK_WAIT_S, help="seconds, at most")
+    args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(TRAIN_THREADS)
-    ap.add_argument("--render", action="store_true", help="run nothing: the saved results")
-    args = ap.parse_args(argv)
     results = []
     for name in args.only or list(MODELS):
         saved = args.work / name / "result.json"
         if not args.render:
             print(f"qat-onnx: {name} ...", file=sys.stderr, flush=True)
-            result = run_model(name, args.work / name, args.steps)
+            result = run_model(name, args.work / name, args.steps, args.qat, args.lock_wait)
             saved.write_text(json.dumps(result, indent=1, default=str))
         results.append(json.loads(saved.read_text()))
     doc = {
