@@ -62,6 +62,14 @@ CANDIDATES = {
     "for avx2)",
     "qdq-u8u8": "slimline static QDQ, U8U8 (the other format slimline tries without VNNI)",
 }
+BENCH_SETTINGS: dict[str, Any] = {
+    "rounds": 5,
+    "runs_per_round": 40,
+    "warmup": 5,
+    "batch_sizes": [1],
+    "peak_rss": False,
+}
+BENCH = "5 rounds x 40 runs, 5 warm-up runs"
 ONLY_FORMAT = {"nncf-onnx-before": "vnni", "qdq-u8u8": "avx2"}
 
 
@@ -193,6 +201,29 @@ def quality(name: str, work: Path, built: dict[str, Any], rows: int | None) -> d
     return out
 
 
+def ov_precisions(work: Path, built: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per file, OpenVINO's compiled convolutions by the precision they run in (its runtime
+    model's ``runtimePrecision``): whether OpenVINO runs a file's convolutions in INT8."""
+    import openvino as ov
+
+    from slimline.measure.ov import ov_settings
+
+    core, out = ov.Core(), {}
+    for key, b in built.items():
+        if "file" not in b:
+            continue
+        compiled = core.compile_model(str(work / b["file"]), "CPU", ov_settings(THREADS))
+        counts: dict[str, int] = {}
+        for op in compiled.get_runtime_model().get_ops():
+            info = op.get_rt_info()
+            layer = info["layerType"].astype(str) if "layerType" in info else ""
+            if layer in ("Convolution", "GroupConvolution", "Deconvolution"):
+                prec = info["runtimePrecision"].astype(str)
+                counts[prec] = counts.get(prec, 0) + 1
+        out[key] = counts
+    return out
+
+
 def timing(name: str, work: Path, built: dict[str, Any], fmt: str) -> dict[str, Any]:
     """FP32 and ``fmt``'s candidates on both runtimes, interleaved at batch 1: each pair's p50
     and its ratio to FP32 ONNX Runtime's."""
@@ -207,7 +238,7 @@ def timing(name: str, work: Path, built: dict[str, Any], fmt: str) -> dict[str, 
     ]
     pairs = {pair_name(rt, c.name) for c in cands for rt in ("onnxruntime", "openvino")}
     pairs -= {pair_name("onnxruntime", c.name) for c in cands if str(c.onnx).endswith(".xml")}
-    bench = BenchConfig(rounds=5, runs_per_round=40, warmup=5, batch_sizes=[1])
+    bench = BenchConfig(**BENCH_SETTINGS)
     figures = benchmark(
         cands,
         ctx.task.sample_inputs(1),
@@ -241,45 +272,69 @@ def _cell(f: dict[str, Any] | None, key: str) -> str:
 
 def render_quality(kind: str, q: dict[str, Any]) -> list[str]:
     emulated = " (emulated: quality only)" if q["emulated"] else ""
-    rows = f", the first {q['rows']} evaluation rows" if q.get("rows") else ", all evaluation rows"
     lines = [
         f"### Quality on {kind}{emulated}",
         "",
-        f"CPU as the kernels see it: {q['cpu']}{rows}. Cosine: the worst output's mean per-row "
-        "cosine to FP32 ONNX Runtime; agreement: the declared kind's (bench/fidelity_kinds.py).",
+        f"CPU as the kernels see it: {q['cpu']}. Cosine: the worst output's mean per-row cosine "
+        "to FP32 ONNX Runtime; agreement: the declared kind's (bench/fidelity_kinds.py).",
         "",
-        "| model | candidate | built for | ORT cosine | OV cosine | ORT agreement | OV agreement |",
+        "| model (rows) | candidate | built for | ORT cosine | OV cosine | ORT agreement | "
+        "OV agreement |",
         "|---|---|---|---|---|---|---|",
     ]
-    for model, res in q["results"].items():
-        for key, f in res.items():
+    commands = []
+    for model, entry in q["models"].items():
+        commands.append(entry["command"])
+        for key, f in entry["results"].items():
             cand, _, fmt = key.partition("/")
             ort, ov = f.get("onnxruntime"), f.get("openvino")
             lines.append(
-                f"| {model} | {cand} | {fmt or '-'} | {_cell(ort, 'cosine')} | "
+                f"| {model} ({entry['rows']}) | {cand} | {fmt or '-'} | {_cell(ort, 'cosine')} | "
                 f"{_cell(ov, 'cosine')} | {_cell(ort, 'agreement')} | {_cell(ov, 'agreement')} |"
             )
-    return [*lines, *reproduce_footer(q["command"])]
+    return [*lines, *(x for c in dict.fromkeys(commands) for x in reproduce_footer(c))]
 
 
-def render_timing(t: dict[str, Any]) -> list[str]:
+def render_timing(kind: str, t: dict[str, Any]) -> list[str]:
     lines = [
-        f"### Latency on {t['kind']} (native)",
+        f"### Latency on {kind} (native)",
         "",
-        f"p50 at batch 1, {THREADS} threads, as a multiple of FP32 ONNX Runtime's, interleaved "
-        f"in one run per model ({t['bench']}); the files built for {t['format']}.",
+        f"p50 at batch 1, {THREADS} threads, as a multiple of FP32 ONNX Runtime's; each model's "
+        f"pairs interleaved in one run ({BENCH}), the files built for this kind.",
         "",
         "| model | pair | p50 ms | x FP32 ORT | 1-min load before/after |",
         "|---|---|---|---|---|",
     ]
-    for model, r in t["results"].items():
+    commands = []
+    for model, r in t["models"].items():
+        commands.append(r["command"])
         load = "{} / {}".format(*r["load_1min"])
         for pair, f in r["pairs"].items():
             if "p50_ms" not in f:
                 lines.append(f"| {model} | {pair} | failed | | {load} |")
                 continue
             lines.append(f"| {model} | {pair} | {f['p50_ms']:.2f} | {f['ratio']:.3f} | {load} |")
-    return [*lines, *reproduce_footer(t["command"])]
+    return [*lines, *(x for c in dict.fromkeys(commands) for x in reproduce_footer(c))]
+
+
+def render_precisions(kind: str, p: dict[str, Any]) -> list[str]:
+    lines = [
+        f"### The precision OpenVINO runs each file's convolutions in, on {kind}",
+        "",
+        "From the compiled model's runtime graph (`runtimePrecision` of each Convolution, "
+        "GroupConvolution and Deconvolution): u8/i8 run on INT8 kernels, f32 in float.",
+        "",
+        "| model | candidate | built for | convolutions by runtime precision |",
+        "|---|---|---|---|",
+    ]
+    commands = []
+    for model, entry in p["models"].items():
+        commands.append(entry["command"])
+        for key, counts in entry["files"].items():
+            cand, _, fmt = key.partition("/")
+            text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            lines.append(f"| {model} | {cand} | {fmt} | {text} |")
+    return [*lines, *(x for c in dict.fromkeys(commands) for x in reproduce_footer(c))]
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -293,8 +348,10 @@ def render(doc: dict[str, Any]) -> str:
     ]
     for kind in sorted(doc.get("quality", {})):
         lines += [*render_quality(kind, doc["quality"][kind]), ""]
+    for kind in sorted(doc.get("precisions", {})):
+        lines += [*render_precisions(kind, doc["precisions"][kind]), ""]
     for kind in sorted(doc.get("timing", {})):
-        lines += [*render_timing(doc["timing"][kind]), ""]
+        lines += [*render_timing(kind, doc["timing"][kind]), ""]
     return "\n".join(lines).rstrip()
 
 
@@ -307,54 +364,76 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=HERE / "out" / "ov-int8")
     ap.add_argument("--rows", type=int, default=None, help="evaluation rows (all by default)")
     ap.add_argument("--no-build", action="store_true", help="judge the files a run built")
+    ap.add_argument("--no-quality", action="store_true", help="skip the quality measurement")
     ap.add_argument("--timing", action="store_true", help="also time (native, under the flock)")
+    ap.add_argument(
+        "--precisions", action="store_true", help="record the precision OpenVINO runs convs in"
+    )
     ap.add_argument("--out", type=Path, default=None, help="RESULTS-ov-int8.md to update")
     ap.add_argument("--render", action="store_true", help="only render --out from its JSON")
     args = ap.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
-    old = args.out.with_suffix(".json") if args.out else None
-    doc: dict[str, Any] = json.loads(old.read_text()) if old and old.is_file() else {}
     if args.render:
         assert args.out is not None
+        doc = _read(args.out)
         publish(render(doc), doc, args.out, "ov_int8.py")
         return 0
     cpu = detect()
     emulated = cpu.proc_cpuinfo is not None  # CPUID and /proc/cpuinfo disagree: an emulator
-    doc.setdefault("models", {})
-    quality_entry: dict[str, Any] = {
-        "cpu": cpu.describe(),
-        "emulated": emulated,
-        "rows": args.rows,
-        "command": reproduce_command("ov_int8.py", given),
-        "results": {},
-    }
-    timing_entry: dict[str, Any] = {}
+    command = reproduce_command("ov_int8.py", given)
     for name in args.only:
         work = args.work / name
-        if not args.no_build:
-            doc["models"][name] = build(name, work)
-        built = doc["models"][name]["built"]
-        quality_entry["results"][name] = quality(name, work, built, args.rows)
+        built = found(work) if args.no_build else build(name, work)
+        new: dict[str, Any] = {}
+        if not args.no_quality:
+            new["quality"] = {
+                "rows": _eval_rows(work, args.rows),
+                "command": command,
+                "results": quality(name, work, built["built"], args.rows),
+            }
+        if args.precisions:
+            new["precisions"] = {"command": command, "files": ov_precisions(work, built["built"])}
         if args.timing and not emulated:
-            fmt = "avx2" if cpu.u8s8_saturates else "vnni"
-            timing_entry.setdefault("results", {})[name] = timed(name, work, built, fmt)
-            timing_entry.update(format=fmt)
-    doc.setdefault("quality", {})[cpu.kind] = quality_entry
-    if timing_entry:
-        doc.setdefault("timing", {})[cpu.kind] = {
-            **timing_entry,
-            "kind": cpu.kind,
-            "bench": "5 rounds x 40 runs",
-            "command": reproduce_command("ov_int8.py", given),
-        }
-    publish(render(doc), doc, args.out, "ov_int8.py")
+            new["timing"] = {"command": command, **timed(name, work, built["built"], cpu)}
+        doc = _read(args.out)  # another run may have written its kind meanwhile
+        models = doc.setdefault("models", {})
+        if not args.no_build or name not in models:
+            models[name] = built  # --no-build keeps what the building run recorded
+        for part, entry in new.items():
+            kind = doc.setdefault(part, {}).setdefault(cpu.kind, {"models": {}})
+            kind.update(cpu=cpu.describe(), emulated=emulated)
+            kind["models"][name] = entry
+        publish(render(doc), doc, args.out, "ov_int8.py")
     return 0
 
 
-def timed(name: str, work: Path, built: dict[str, Any], fmt: str) -> dict[str, Any]:
-    """:func:`timing` with the 1-minute load average before and after."""
+def _eval_rows(work: Path, limit: int | None) -> int:
+    with np.load(work / "evaluation.npz") as z:
+        rows = _rows({k: z[k] for k in z.files})
+    return min(rows, limit) if limit else rows
+
+
+def _read(out: Path | None) -> dict[str, Any]:
+    path = out.with_suffix(".json") if out else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
+
+
+def found(work: Path) -> dict[str, Any]:
+    """What an earlier run built into ``work`` (``--no-build``)."""
+    built = {}
+    for fmt in FORMATS:
+        for cand in CANDIDATES:
+            for ext in (".onnx", ".xml"):
+                if (work / fmt / f"{cand}{ext}").is_file():
+                    built[f"{cand}/{fmt}"] = {"file": f"{fmt}/{cand}{ext}"}
+    return {"built": built}
+
+
+def timed(name: str, work: Path, built: dict[str, Any], cpu: CpuInt8) -> dict[str, Any]:
+    """:func:`timing` of the files built for ``cpu``'s kind, with the 1-minute load average
+    before and after."""
     before = os.getloadavg()[0]
-    pairs = timing(name, work, built, fmt)
+    pairs = timing(name, work, built, "avx2" if cpu.u8s8_saturates else "vnni")
     return {"pairs": pairs, "load_1min": [round(before, 2), round(os.getloadavg()[0], 2)]}
 
 

@@ -19,7 +19,9 @@ from slimline import api
 from slimline.candidate import Candidate
 from slimline.compress.nncf_ov import nncf_ov_alternative, nncf_ov_quantize
 from slimline.compress.nncf_ptq import NncfConfig, nncf_quantize_onnx, overflow_fix_for
-from slimline.compress.quant.config import QuantizeConfig
+from slimline.compress.quant.auto import cpu_formats
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quantize import for_openvino
 from slimline.cpu import CpuInt8
 from slimline.export import export_module
 from slimline.recipe import Recipe
@@ -130,3 +132,18 @@ def test_no_ir_is_built_where_the_target_never_runs_openvino(
     assert ir.accepted is False and ir.onnx is None
     assert "runs on OpenVINO only" in ir.reason and "runtime: openvino or auto" in ir.reason
     assert not (tmp_path / "w" / "nncf-ov").exists()
+
+
+def test_qdq_files_for_openvino_have_signed_weights_7_bit_without_vnni(cpu_kind: CpuInt8) -> None:
+    """For a target that runs only OpenVINO, the QDQ settings keep INT8 weights (OpenVINO runs
+    UINT8 weights in float), on 7 bits where U8S8 saturates; ONNX Runtime and auto keep all."""
+    specs = [
+        (QuantSpec("static", activation_type=a, weight_type=w, reduce_range=rr), None)
+        for a, w, rr in cpu_formats(QuantizeConfig(), cpu_kind)
+    ]
+    kept = [sp for sp, _ in for_openvino(specs, "openvino")]
+    assert kept and all(sp.weight_type == "int8" for sp in kept)
+    assert all(sp.reduce_range == cpu_kind.u8s8_saturates for sp in kept)
+    assert for_openvino(specs, "auto") == for_openvino(specs, "onnxruntime") == specs
+    forced = [(QuantSpec("static", weight_type="uint8"), None)]  # the recipe asked for it
+    assert for_openvino(forced, "openvino") == forced

@@ -33,7 +33,7 @@ from .plan import resolve_plan
 from .prepare import Prepared, prepare
 from .trial import Search, Trial
 
-__all__ = ["QuantizeConfig", "quantize_step"]
+__all__ = ["QuantizeConfig", "for_openvino", "quantize_step"]
 
 log = logging.getLogger("slimline.quantize")
 
@@ -119,7 +119,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=7,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI
+    version=7,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI; a target on OpenVINO only gets no UINT8-weight QDQ (OpenVINO runs it in float)
     reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
@@ -135,6 +135,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     t_prep = time.perf_counter() - t0
     plan = resolve_plan(prepared.compute_nodes, cfg.precision, cfg.keep_first_last_float)
     tries = candidates(cfg, prepared, plan) if cfg.mode == "auto" else forced(cfg, prepared, plan)
+    tries = for_openvino(tries, ctx.recipe.target.runtime)
     for risk in format_warnings((sp for sp, _ in tries), detect_cpu()):
         ctx.warn(f"quantize: {risk}")
     methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
@@ -200,6 +201,17 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
 
         return qat_fallback(cfg, cand, ctx, chosen, record, out)
     return out
+
+
+def for_openvino(tries: list[tuple[QuantSpec, Any]], runtime: str) -> list[tuple[QuantSpec, Any]]:
+    """The QDQ settings worth building for a target that runs only OpenVINO: those with 8-bit
+    signed weights (7-bit where the CPU kind chose them). OpenVINO runs a QDQ file with UINT8
+    weights (U8U8, tried without VNNI for ONNX Runtime) in float, with no INT8 gain
+    (bench/RESULTS-ov-int8.md); it stays where nothing else is left."""
+    if runtime != "openvino":
+        return tries
+    signed = [t for t in tries if t[0].mode != "static" or t[0].weight_type == "int8"]
+    return signed or tries
 
 
 def _layerwise(s: Search, chosen: Trial) -> list[dict[str, Any]]:
