@@ -557,6 +557,9 @@ def render_files(paths: list[Path], out: Path | None, avx2: Path | None = None) 
     cmds = [c for d in docs for c in d.get("commands") or [d["command"]]]
     limit = max(d.get("limit_s", TIME_LIMIT_S) for d in docs)
     doc = {**_conditions(limit), "quick": quick, "commands": cmds, "models": results}
+    doc["not_run"] = [
+        m.name for m in MODELS if m.name not in merged and not (quick and not m.quick)
+    ]
     main_jobs = [d["main_job"] for d in docs if d.get("main_job")]
     if main_jobs:
         doc["main_job"] = main_jobs[-1]
