@@ -293,7 +293,7 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
     v, rows = r["verdicts"], r["rows"]
     check = r["from_onnx"]["check"]
     lines = [
-        f"### {r['model']}: {r['why']}",
+        f"### {r['model']}{' (' + r['variant'] + ')' if r.get('variant') else ''}: {r['why']}",
         "",
         f"Declared: `{r['declared']}`. Rows: {r['rows_calibration_training']} calibration and "
         f"training, {r['rows_evaluation']} evaluation; {r['batch']} rows a training step, "
@@ -322,6 +322,8 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
         v["latency_vs_ptq_full"],
     )
     lines += [
+        "",
+        f"Measured by: `{r.get('command', 'not recorded')}`",
         "",
         f"- declared agreement PTQ lost: {figure(v['agreement_lost_by_ptq'], '.4f')}; QAT won back "
         f"{_share(rec_a)} (target >= 70%: {_target(rec_a, (rec_a or 0) >= RECOVERY)})",
@@ -354,6 +356,7 @@ def render(doc: dict[str, Any]) -> str:
         lines += _model_lines(r)
     for r in doc["rejected"]:
         lines.append(f"- {r['model']} is not converted: {r['error'] or 'converted (no error)'}")
+    lines += ["", "Each model's section names the command that measured it; this file from them:"]
     return "\n".join([*lines, *reproduce_footer(doc["command"])])
 
 
@@ -363,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, help="training steps (default: each model's)")
-    ap.add_argument("--work", type=Path, default=HERE / "out" / "qat-onnx")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        nargs="+",
+        default=[HERE / "out" / "qat-onnx"],
+        help="work folder (a run uses the first; --render reads every one's results)",
+    )
     ap.add_argument("--out", type=Path, help="write the markdown here (and .json beside)")
     ap.add_argument("--render", action="store_true", help="run nothing: the saved results")
     ap.add_argument("--qat", type=json.loads, help="qat step settings over the model's (JSON)")
@@ -373,13 +382,23 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(TRAIN_THREADS)
     results = []
+    variant = " ".join(
+        f"{k} {v}" for k, v in (("steps", args.steps), ("qat", args.qat)) if v is not None
+    )
     for name in args.only or list(MODELS):
-        saved = args.work / name / "result.json"
         if not args.render:
             print(f"qat-onnx: {name} ...", file=sys.stderr, flush=True)
-            result = run_model(name, args.work / name, args.steps, args.qat, args.lock_wait)
-            saved.write_text(json.dumps(result, indent=1, default=str))
-        results.append(json.loads(saved.read_text()))
+            result = run_model(name, args.work[0] / name, args.steps, args.qat, args.lock_wait)
+            result["variant"] = variant
+            result["command"] = reproduce_command(
+                "qat_onnx.py",
+                ["--only", name, "--work", str(args.work[0])]
+                + (["--steps", str(args.steps)] if args.steps is not None else [])
+                + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
+            )
+            (args.work[0] / name / "result.json").write_text(json.dumps(result, default=str))
+        saved = [w / name / "result.json" for w in args.work]
+        results += [json.loads(p.read_text()) for p in saved if p.is_file()]
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": zoo.cpu_kind(),
