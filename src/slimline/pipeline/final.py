@@ -352,6 +352,12 @@ def profile_memory(run: Run) -> None:
 
     selected = run.selected
     assert selected.onnx is not None
+    if is_ir(selected.onnx):  # the profile measures ONNX Runtime settings, which an IR has none of
+        run.warnings.append(
+            f"memory budget not profiled: {selected.name} is an OpenVINO IR, and the memory "
+            "profile measures ONNX Runtime's settings"
+        )
+        return
     sig = run.task.signature
     sizes = [1] if sig is not None and sig.max_batch == 1 else run.recipe.bench.batch_sizes
     try:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..candidate import is_ir
 from ..errors import ManifestError
 from ..tensors import take_samples
-from .model import OrtBackend, resolve_model_path
+from .model import OrtBackend, make_backend, resolve_model_path
 from .monitor import LOGITS_KEY, REFERENCE_FILE
 
 __all__ = ["write_monitor_reference"]
@@ -37,7 +38,7 @@ def write_monitor_reference(run_dir: Path, limit: int = 1000, chunk: int = 64) -
     task = load_task(str(source), recipe.get("samples"), recipe.get("eval_samples"))
     inputs = take_samples((batch for batch, _ in task.eval_data()), limit, task.signature)
     _, onnx_path, _ = resolve_model_path(run_dir)
-    backend = OrtBackend(onnx_path)
+    backend = make_backend(onnx_path, 1, "openvino") if is_ir(onnx_path) else OrtBackend(onnx_path)
     rows = len(next(iter(inputs.values())))
     parts = [backend.run({k: v[s : s + chunk] for k, v in inputs.items()})
              for s in range(0, rows, chunk)]  # fmt: skip

@@ -76,6 +76,7 @@ def test_overflow_fix_follows_the_cpu_kind(
     ir_levels = _ir_weight_levels(tmp_path / "ov.xml")
     assert ir_meta["backend"] == "openvino" and len(ir_levels) == 5
     assert (tmp_path / "ov.bin").is_file()
+    _an_ir_runs_on_openvino_only(tmp_path / "ov.xml")
     for fix, tops in (
         (meta["overflow_fix"], [q for q, _ in levels]),
         (ir_meta["overflow_fix"], ir_levels),
@@ -84,6 +85,26 @@ def test_overflow_fix_follows_the_cpu_kind(
             assert fix == "enable" and max(tops) <= HALF, tops
         else:
             assert fix.startswith("nncf default") and max(tops) > HALF, tops
+
+
+def _an_ir_runs_on_openvino_only(ir: Path) -> None:
+    """An IR passes the candidate check (OpenVINO reads it), hashes and sizes with its weights,
+    and ONNX Runtime's runner and server refuse it with the reason."""
+    from slimline.candidate import artifact_size
+    from slimline.errors import CandidateError, ServeError
+    from slimline.measure.runners import check_candidate, make_runner
+    from slimline.serve.model import make_backend
+
+    check_candidate(ir)
+    cand = Candidate("ir", "nncf", None, onnx=ir)
+    assert artifact_size(ir) > ir.stat().st_size
+    before = cand.content_hash()
+    ir.with_suffix(".bin").write_bytes(ir.with_suffix(".bin").read_bytes()[::-1])
+    assert cand.content_hash() != before  # the weights are part of the candidate
+    with pytest.raises(CandidateError, match="runs on OpenVINO only"):
+        make_runner(cand, 1, runtime="onnxruntime")
+    with pytest.raises(ServeError, match="--runtime openvino"):
+        make_backend(ir, 1, "onnxruntime")
 
 
 def _ctx(tmp_path: Path, onnx_path: Path, runtime: str) -> Any:
