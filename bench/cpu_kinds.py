@@ -28,7 +28,7 @@ from typing import Any
 
 from bench_out import publish, reproduce_command, reproduce_footer
 from slimline import api
-from slimline.compress.quant.auto import cpu_formats
+from slimline.compress.quant.candidates import cpu_formats
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.cpu import detect
 from slimline.recipe import recipe_from_dict

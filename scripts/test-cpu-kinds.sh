@@ -56,5 +56,8 @@ echo "emulated AVX2 lane: $("$qemu" --version | head -1), -cpu Haswell-noTSX"
 mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.cpu_kinds|cpu_kind\b' tests | sort)
 # emulation_slow: the few marked tests whose PyTorch training takes minutes under emulation; each
 # says which lane test covers what it checks that depends on the CPU kind
-"$lane/python" -m pytest -q -p no:cacheprovider -m "cpu_kinds and not emulation_slow" \
+# one emulated worker per core (pytest-xdist): each test runs single-threaded under qemu-user, so
+# the lane's wall time divides by the cores; SLIMLINE_LANE_WORKERS=0 runs it in one process
+workers=${SLIMLINE_LANE_WORKERS:-$(nproc)}
+"$lane/python" -m pytest -q -p no:cacheprovider -n "$workers" -m "cpu_kinds and not emulation_slow" \
   "${files[@]}" "$@"

@@ -23,7 +23,10 @@ from slimline.compress.graph import GraphConfig
 from slimline.compress.pruning.step import PruneConfig
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.config import StepConfig
-from slimline.pipeline import Run, _baselines, _cached_step, _step_key
+from slimline.pipeline import Run
+from slimline.pipeline.run import _baselines
+from slimline.pipeline.state import step_key
+from slimline.pipeline.step import cached_step
 from slimline.recipe import Recipe, recipe_from_dict
 from slimline.task import load_task
 
@@ -36,7 +39,7 @@ import slimline
 from slimline import record
 from slimline.cache import StepCache
 from slimline.candidate import Candidate
-from slimline.pipeline import Run, _step_key
+from slimline.pipeline.state import Run, step_key
 from slimline.recipe import recipe_from_dict
 from slimline.task import load_task
 
@@ -45,7 +48,7 @@ run = Run(recipe=recipe, task=load_task(recipe.task), out=Path(sys.argv[2]),
           cache=StepCache(Path(sys.argv[2])), hashes={"eval_data": "sha256:e"})
 cand = Candidate("fp32-onnx", "export", None, onnx=Path(sys.argv[3]))
 print(json.dumps({"package": slimline.__file__, "code_hash": record.code_hash(),
-                  "keys": {s.kind: _step_key(run, s, cand) for s in recipe.steps}}))
+                  "keys": {s.kind: step_key(run, s, cand) for s in recipe.steps}}))
 """
 
 
@@ -101,7 +104,7 @@ def _key(run: Run, cfg: Any, recipe: Recipe | None = None) -> str:
         model.write_bytes(b"m")
     if recipe is not None:
         run = dataclasses.replace(run, recipe=recipe)
-    return _step_key(run, cfg, Candidate("fp32-onnx", "export", None, onnx=model))
+    return step_key(run, cfg, Candidate("fp32-onnx", "export", None, onnx=model))
 
 
 def test_a_key_changes_with_the_steps_version_config_and_packages(
@@ -155,7 +158,7 @@ def test_a_changed_step_version_reruns_only_that_step(
     def run_graph(out: str) -> None:
         run = Run(recipe=recipe, task=load_task(recipe.task), out=tmp_path / out, cache=cache)
         _baselines(run)
-        _cached_step(run, graph, run.current)
+        cached_step(run, graph, run.current)
 
     cache = StepCache(tmp_path / "cache")
     run_graph("a")
@@ -222,3 +225,13 @@ def test_a_temp_dir_left_by_an_earlier_process_with_this_pid_is_removed(tmp_path
     left.mkdir()
     StepCache(tmp_path)
     assert not left.exists()
+
+
+def test_a_relative_cache_folder_is_held_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps hand cache paths to child processes and runtimes: a relative ``--cache`` once
+    made the quantize step look for its prepared model under the wrong folder."""
+    monkeypatch.chdir(tmp_path)
+    cache = StepCache(Path("c"))
+    assert cache.root == tmp_path / "c" and (tmp_path / "c" / "steps").is_dir()

@@ -121,3 +121,17 @@ def test_corrupt_onnx_profile(tmp_path: Path, content: bytes) -> None:
         timeout=120,
     )
     assert proc.returncode == 2 and "re-export it" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_cli_and_the_torch_steps_import_without_torch() -> None:
+    """torch types are imported for the type checker only (``if TYPE_CHECKING:``): starting the
+    CLI, or importing the modules of the steps that run torch, does not load it."""
+    code = (
+        "import importlib, pkgutil, sys, slimline.cli, slimline.compress.finetune\n"
+        "import slimline.compress.qat.fakequant, slimline.compress.pruning as p\n"
+        "for m in pkgutil.iter_modules(p.__path__):\n"
+        "    importlib.import_module('slimline.compress.pruning.' + m.name)\n"
+        "print(sorted(m for m in ('torch', 'torch_pruning') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from slimline.envlock import environment_record
 from slimline.errors import ExportError
 from slimline.gate import compare_manifests
 from slimline.measure.latency import benchmark
@@ -34,6 +35,7 @@ def test_full_run_writes_manifest_artifacts_report(
     assert all(v.startswith("sha256:") for v in m["hashes"].values())
     assert {"slimline", "python", "torch", "onnx", "onnxruntime"} <= set(m["versions"])
     assert m["step_versions"] == {"export": 3, "graph": 1}  # what each cached step ran
+    assert m["environment"] == environment_record()  # the packages against the repository's lock
     names = [c["name"] for c in m["candidates"]]
     assert names[:2] == ["fp32-torch", "fp32-onnx"] and "graph" in names
     onnx = m["candidates"][1]
@@ -155,7 +157,7 @@ def test_a_drifting_machine_is_named_in_the_manifest(
     """The final benchmark's baseline moved 1.6x between rounds (a VM changing speed mode): the
     run times batch 1 again with twice the rounds, pools them, and says so in the manifest
     instead of letting the ratios pass as settled."""
-    import slimline.pipeline as pipeline
+    from slimline.pipeline import final
 
     real = benchmark
 
@@ -171,7 +173,7 @@ def test_a_drifting_machine_is_named_in_the_manifest(
             lat["per_round_p50"] = [slowest * 1.6 if i == 1 else v for i, v in enumerate(rounds)]
         return figures
 
-    monkeypatch.setattr(pipeline, "benchmark", drifting)
+    monkeypatch.setattr(final, "benchmark", drifting)
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)
     m = _manifest(out)

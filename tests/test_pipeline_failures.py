@@ -17,7 +17,7 @@ from slimline import steps
 from slimline.candidate import Candidate
 from slimline.cli import main
 from slimline.compress.graph import GraphConfig, graph_step
-from slimline.compress.quant import auto
+from slimline.compress.quant import trial
 from slimline.config import StepConfig
 from slimline.cpu import CpuInt8
 from slimline.errors import DataError, ExportError
@@ -76,7 +76,7 @@ def test_every_quantize_trial_failing_keeps_the_parent_and_completes_the_run(
     def broken(*args: Any, **kw: Any) -> Path:
         raise RuntimeError("quantizer internals failed")
 
-    monkeypatch.setattr(auto, "quantize_model", broken)
+    monkeypatch.setattr(trial, "quantize_model", broken)
     tiny_recipe["steps"] = ["export", {"quantize": {"samples": 16}}]
     out = tmp_path / "run"
     run_recipe(recipe_from_dict(tiny_recipe), out, cache=cache)

@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from slimline import pipeline
 from slimline.measure.latency import benchmark
-from slimline.pipeline import run_recipe
+from slimline.pipeline import final, measurement, run_recipe
 from slimline.recipe import recipe_from_dict
 
 QUANTIZE = {"quantize": {"mode": "dynamic"}}
@@ -103,6 +102,13 @@ def _later_ones_slower(real: Callable[..., Any], factor: float = 3.0) -> Callabl
     return bench
 
 
+def _patch_benchmark(monkeypatch: pytest.MonkeyPatch, bench: Callable[..., Any]) -> None:
+    """``bench`` in place of the benchmark in both places a run times: its accept/reject
+    comparisons (:mod:`slimline.pipeline.measurement`) and its final measurement."""
+    monkeypatch.setattr(measurement, "benchmark", bench)
+    monkeypatch.setattr(final, "benchmark", bench)
+
+
 def _size_recipe(tiny_recipe: dict[str, Any], objective: str, folder: Path) -> dict[str, Any]:
     task = folder / "mlp_task.py"
     task.write_text(MLP_TASK)
@@ -120,7 +126,7 @@ def _size_recipe(tiny_recipe: dict[str, Any], objective: str, folder: Path) -> d
 def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
     tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
+    _patch_benchmark(monkeypatch, _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "size", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     by_name = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}
@@ -137,7 +143,7 @@ def test_size_objective_keeps_a_smaller_slower_step_and_drops_one_not_smaller(
 def test_latency_objective_drops_the_same_slower_step(
     tiny_recipe: dict[str, Any], tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pipeline, "benchmark", _later_ones_slower(benchmark))
+    _patch_benchmark(monkeypatch, _later_ones_slower(benchmark))
     recipe = recipe_from_dict(_size_recipe(tiny_recipe, "latency", tmp_path))
     run_recipe(recipe, tmp_path / "r", cache=cache)
     quant = {c["name"]: c for c in _manifest(tmp_path / "r")["candidates"]}["quantize"]
@@ -158,7 +164,7 @@ def test_remeasure_judges_and_measures_again_but_reuses_the_steps(
         calls.append([c.name for c in cands])
         return real(cands, *args, **kw)
 
-    monkeypatch.setattr(pipeline, "benchmark", counted)
+    _patch_benchmark(monkeypatch, counted)
     recipe = recipe_from_dict(tiny_recipe)  # export, graph; objective latency
     run_recipe(recipe, tmp_path / "a", cache=cache)
     assert calls, "the first run measures"

@@ -13,6 +13,7 @@ import slimline.pipeline as pipeline
 from slimline.candidate import Candidate
 from slimline.measure.quality import evaluate
 from slimline.pick import pairs_of
+from slimline.pipeline import final, measurement
 from slimline.recipe import recipe_from_dict
 from slimline.runtimes import pick_pair
 from slimline.task import load_task
@@ -39,7 +40,7 @@ def evaluations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(runner.name)
         return real(runner, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "evaluate", counting)
+    monkeypatch.setattr(measurement, "evaluate", counting)
     return seen
 
 
@@ -56,12 +57,12 @@ def test_an_onnx_file_is_evaluated_once_per_runtime(
     auto_run: pipeline.Run, evaluations: list[str], tmp_path: Path
 ) -> None:
     base = auto_run.baseline
-    first = pipeline._quality(auto_run, base, "onnxruntime")
-    assert pipeline._quality(auto_run, base, "onnxruntime") is first
+    first = measurement.quality_of(auto_run, base, "onnxruntime")
+    assert measurement.quality_of(auto_run, base, "onnxruntime") is first
     same_file = _copy_of(base, "copy", tmp_path, {})  # same bytes, another name: same outputs
-    assert pipeline._quality(auto_run, same_file, "onnxruntime") is first
+    assert measurement.quality_of(auto_run, same_file, "onnxruntime") is first
     assert evaluations == ["fp32-onnx"]
-    on_ov = pipeline._quality(auto_run, base, "openvino")
+    on_ov = measurement.quality_of(auto_run, base, "openvino")
     assert evaluations == ["fp32-onnx", "fp32-onnx"]
     assert on_ov.cosine_mean == pytest.approx(first.cosine_mean, abs=1e-4)
 
@@ -90,13 +91,13 @@ def test_the_final_benchmark_times_only_pairs_that_can_be_picked(
         },
     )
     cands = [base, kept_on_ort, failed_on_ov]
-    assert pipeline._pairs_to_time(auto_run, cands) == {
+    assert final._pairs_to_time(auto_run, cands) == {
         "fp32-onnx@onnxruntime",
         "fp32-onnx@openvino",
         "kept-on-ort@onnxruntime",
         "failed-on-ov@onnxruntime",
     }
-    figures = pipeline._measure_pairs(auto_run, cands)
+    figures = final._measure_pairs(auto_run, cands)
     for name in ("fp32-onnx", "kept-on-ort", "failed-on-ov"):
         assert figures[name]["runtimes"]["onnxruntime"]["latency_ms"]["rounds"] == 4
     assert figures["fp32-onnx"]["runtimes"]["openvino"]["latency_ms"]["rounds"] == 4

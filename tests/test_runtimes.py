@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from slimline import steps as registry
+from slimline.candidate import Candidate
+from slimline.config import StepConfig
 from slimline.errors import RuntimeMissingError, ServeError, is_user_error
+from slimline.pick import side_by_side
 from slimline.pipeline import run_recipe
 from slimline.recipe import TargetConfig, recipe_from_dict
 from slimline.runtimes import Pair, pair_name, pick_pair, runtimes_for, split_pair_name
@@ -70,6 +74,42 @@ def test_the_pick_is_the_fastest_eligible_pair_within_budget() -> None:
     assert pick_pair(pairs) == pairs[5]
     assert pick_pair(pairs[:2]) == pairs[1]
     assert pick_pair([_pair("openvino", "q", 1.0, ok=False)]) is None
+
+
+class _Int4Config(StepConfig):
+    kind: ClassVar[str] = "int4-test"
+
+
+def _measured(name: str, step: str, p50: float, tmp_path: Path) -> Candidate:
+    figures = {"latency_ms": {"p50": p50}, "within_budget": True}
+    return Candidate(
+        name,
+        step,
+        None if name == "fp32-onnx" else "fp32-onnx",
+        onnx=tmp_path / f"{name}.onnx",
+        accepted=True,
+        measurement={"runtimes": {"onnxruntime": figures}},
+    )
+
+
+def test_the_side_by_side_int8_is_any_step_whose_contract_produces_int8(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new INT8 technique is INT8 to the pick by its registered contract alone; a float step
+    (graph), however fast, is not."""
+    contract = registry.Contract(consumes=("onnx",), produces=("onnx-int8",))
+    spec = registry.StepSpec(_Int4Config, lambda cfg, cand, ctx: cand, contract)
+    key: type[StepConfig] = _Int4Config  # the registry's key type
+    monkeypatch.setitem(registry._SPECS, key, spec)
+    cands = [
+        _measured("fp32-onnx", "export", 10.0, tmp_path),
+        _measured("graph", "graph", 5.0, tmp_path),
+        _measured("int4", "int4-test", 8.0, tmp_path),
+    ]
+    assert side_by_side(cands) == [
+        {"runtime": "onnxruntime", "kind": "FP32", "candidate": "fp32-onnx", "p50_ms": 10.0},
+        {"runtime": "onnxruntime", "kind": "best INT8", "candidate": "int4", "p50_ms": 8.0},
+    ]
 
 
 def test_runtime_auto_measures_every_pair_and_serves_the_pick(

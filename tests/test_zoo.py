@@ -8,12 +8,21 @@ what it wrote: the CLI's exit status and the run's manifest.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import onnx
 import pytest
+
+from slimline.hooks import load_hook
+from slimline.outputs import BoxesOutput
+from slimline.recipe import recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "bench" / "zoo.py"
@@ -59,3 +68,56 @@ def test_zoo_model_completes(name: str, tmp_path: Path) -> None:
         rejected_with_reason = not c["accepted"] and bool(c.get("reason"))
         assert has_figures or rejected_with_reason, f"{c['name']}: no figures and no reason"
     assert manifest["selected"] in by_name
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """bench/zoo.py imported (bench/ is a folder of scripts, not a package)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    yield importlib.import_module("zoo")
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").parent == ROOT / "bench":
+            del sys.modules[name]
+
+
+def test_every_declaration_names_an_output_and_validates(bench: ModuleType, tmp_path: Path) -> None:
+    """Each zoo model's declared outputs exist in its ONNX file, the recipe validates, and a
+    decode function loads: a typo fails here, not 20 minutes into a run. (Whether the kind fits
+    the output's shape is checked against FP32's outputs when the run starts: a graph's declared
+    output shapes can be wrong, e.g. ddddocr's [1, seqlen] for a [T, 1, V] output.)"""
+    declared = [m for m in bench.MODELS if m.outputs]
+    assert len(declared) >= 10
+    for m in declared:
+        path = bench.model_path(m)
+        graph = onnx.load(str(path), load_external_data=False).graph
+        names = {o.name for o in graph.output}
+        recipe = recipe_from_dict(bench.recipe(m, path, tmp_path, False), m.name)
+        for name, decl in recipe.outputs.items():
+            assert name in names, f"{m.name}: {name} is not an output ({sorted(names)})"
+            if isinstance(decl, BoxesOutput):
+                assert callable(load_hook(decl.decode, f"{m.name} decode"))
+
+
+def _row(name: str, ratio: float, band: tuple[float, float], ok: bool = True) -> dict[str, Any]:
+    return {"name": name, "ratio": ratio, "band": list(band), "in_budget": ok}
+
+
+def test_the_yardstick_verdict_compares_with_the_fastest_in_budget_peer(
+    bench: ModuleType,
+) -> None:
+    peers = importlib.import_module("zoo_peers")
+    rows = [
+        _row("FP32 ONNX Runtime", 1.0, (1.0, 1.0)),
+        _row("FP32 OpenVINO", 0.9, (0.85, 0.95)),
+        _row("slimline pick: quantize on openvino", 0.62, (0.58, 0.66)),
+        _row("quantize_static defaults", 0.5, (0.45, 0.55), ok=False),  # fast, over budget
+        _row("NNCF PTQ defaults", 0.6, (0.55, 0.64)),
+    ]
+    v = peers.verdict({"rows": rows})
+    assert v["peer"] == "NNCF PTQ defaults"  # the over-budget faster one does not count
+    assert v["vs_peer"] == "within band" and v["faster_than_fp32"] is True
+    rows[2] = _row("slimline pick: quantize on openvino", 0.7, (0.66, 0.98))
+    assert peers.verdict({"rows": rows})["vs_peer"] == "behind"
+    rows[2] = _row("slimline pick: fp32-onnx on onnxruntime", 0.99, (0.95, 1.02))
+    v = peers.verdict({"rows": rows})
+    assert v["faster_than_fp32"] is False and v["vs_peer"] == "behind"

@@ -34,7 +34,9 @@ _LIVE_TMP: set[str] = set()  # names of the temp dirs this process is building i
 
 class StepCache:
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+        # absolute: steps hand work paths to child processes and runtimes that run elsewhere
+        # (a relative --cache once broke the quantize step's prepared-model path)
+        self.root = Path(root).absolute()
         (self.root / "steps").mkdir(parents=True, exist_ok=True)
         (self.root / "json").mkdir(parents=True, exist_ok=True)
         (self.root / "work").mkdir(parents=True, exist_ok=True)

@@ -145,12 +145,24 @@ def _check_hardware(current: Any, baseline: Any, allow: bool) -> None:
     print(f"warning: {msg} (--allow-hardware-change: compared anyway)")
 
 
+def _check_environment(current: Any, baseline: Any) -> None:
+    """Packages that differ from a run's lock or between the runs: a warning, not a failure."""
+    from .gate import environment_differences
+
+    warnings, unknown = environment_differences(current, baseline)
+    for u in unknown:
+        print(f"note: not compared: {u}")
+    for w in warnings:
+        print(f"warning: {w} (compared anyway: a figure that moved may owe it to them)")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .gate import compare_manifests
     from .record import load_manifest
 
     current, baseline = load_manifest(args.run_dir), load_manifest(args.baseline)
     _check_hardware(current, baseline, args.allow_hardware_change)
+    _check_environment(current, baseline)
     regressions, notes = compare_manifests(
         current,
         baseline,

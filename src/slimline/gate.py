@@ -2,21 +2,27 @@
 
 A latency regression counts only when it exceeds both the tolerance (relative p50 increase) and
 the measured noise (the candidate's p50 band lies entirely above the baseline's band). A metric
-regression counts when the metric dropped by more than the allowed absolute drop.
+regression counts when the metric dropped by more than the allowed absolute drop; so does the
+agreement of each output the recipe declares by kind (top-1, map IoU, decoded text, boxes:
+``fidelity.declared``), which is what the task sees where the metric is only FP32-relative.
 
 Latency compares only across like targets: :func:`hardware_differences` names what differs
 between the two manifests' CPUs (the INT8 features, which decide the kernels ONNX Runtime
-runs), core and thread counts, and ONNX Runtime versions.
+runs), core and thread counts, and ONNX Runtime versions. :func:`environment_differences` names
+the packages that differ from each run's lock (``constraints.txt``) and between the two runs: a
+reason to distrust a comparison, printed as a warning, never a failure (an upgrade of the lock is
+itself checked this way, against a baseline from before it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .cpu import kernel_view
 
-__all__ = ["Regression", "compare_manifests", "hardware_differences"]
+__all__ = ["Regression", "compare_manifests", "environment_differences", "hardware_differences"]
 
 
 @dataclass
@@ -65,6 +71,32 @@ def _metric(
     return None
 
 
+def _agreement(
+    name: str, base: dict[str, Any], cur: dict[str, Any], max_drop: float
+) -> list[Regression]:
+    """One regression per declared output whose agreement with FP32 dropped by more than
+    ``max_drop``; outputs declared in only one of the runs are not compared."""
+    b = (base.get("fidelity") or {}).get("declared") or {}
+    c = (cur.get("fidelity") or {}).get("declared") or {}
+    out = []
+    for output in sorted(set(b) & set(c)):
+        bv, cv = b[output].get("agreement"), c[output].get("agreement")
+        if bv is None or cv is None:
+            continue
+        if bv - cv > max_drop:
+            kind = c[output].get("kind", "declared")
+            out.append(
+                Regression(
+                    name,
+                    f"{kind} agreement of output {output!r}",
+                    bv,
+                    cv,
+                    f"drop {bv - cv:.4f} > allowed {max_drop:.4f}",
+                )
+            )
+    return out
+
+
 def compare_manifests(
     current: dict[str, Any],
     baseline: dict[str, Any],
@@ -87,6 +119,7 @@ def compare_manifests(
         ):
             if r is not None:
                 regressions.append(r)
+        regressions.extend(_agreement(name, b, c, max_metric_drop))
         if b.get("latency_ms") and c.get("latency_ms"):
             notes.append(
                 f"{name}: p50 {b['latency_ms']['p50']:.3f} -> {c['latency_ms']['p50']:.3f} ms"
@@ -157,3 +190,56 @@ def hardware_differences(
         elif c != b:
             differs.append(f"{name} {c} vs baseline {b}")
     return differs, unknown
+
+
+# ``versions`` entries that differ on purpose between two runs of a change (the code under test)
+# or are compared as the target already (:func:`hardware_differences`)
+_NOT_PACKAGES = ("slimline", "slimline_code", "onnxruntime")
+_LISTED = 8  # packages named in one line; the rest are counted
+
+
+def _pkg_list(differs: dict[str, Any]) -> str:
+    items = [
+        f"{name} {d.get('installed') or 'not installed'} (locked {d.get('locked')})"
+        for name, d in sorted(differs.items())
+    ]
+    more = f" and {len(items) - _LISTED} more" if len(items) > _LISTED else ""
+    return ", ".join(items[:_LISTED]) + more
+
+
+def _against_lock(m: dict[str, Any], side: str) -> tuple[list[str], list[str]]:
+    lock = (m.get("environment") or {}).get("lock")
+    if not isinstance(lock, dict):
+        return [], [f"package lock (not recorded in {side})"]
+    if lock.get("matches") is None:
+        return [], [f"package lock ({side}: {lock.get('state')})"]
+    if lock["matches"]:
+        return [], []
+    name = Path(str(lock.get("file"))).name
+    return [f"{side}'s packages differ from its lock {name}: {_pkg_list(lock['differs'])}"], []
+
+
+def environment_differences(
+    current: dict[str, Any], baseline: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """(warnings, what could not be compared) about the two runs' package sets: each run against
+    its lock, the two locks, and the package versions both manifests record."""
+    warnings, unknown = _against_lock(current, "this run")
+    w, u = _against_lock(baseline, "the baseline")
+    warnings, unknown = warnings + w, unknown + u
+    clock = (current.get("environment") or {}).get("lock") or {}
+    block = (baseline.get("environment") or {}).get("lock") or {}
+    if clock.get("sha256") and block.get("sha256") and clock["sha256"] != block["sha256"]:
+        warnings.append(
+            f"the baseline ran with another lock (sha256 {block['sha256'][:12]}, this run "
+            f"{clock['sha256'][:12]})"
+        )
+    cv, bv = current.get("versions") or {}, baseline.get("versions") or {}
+    changed = [
+        f"{k} {cv[k]} vs baseline {bv[k]}"
+        for k in sorted(set(cv) & set(bv))
+        if k not in _NOT_PACKAGES and cv[k] != bv[k]
+    ]
+    if changed:
+        warnings.append(f"package versions differ from the baseline's: {', '.join(changed)}")
+    return warnings, unknown

@@ -12,6 +12,7 @@ from typing import Any
 
 from .candidate import Candidate
 from .runtimes import Pair, pick_pair
+from .steps import kinds_producing
 
 __all__ = ["BASELINE", "accepted_on", "apply_pick", "pairs_of", "side_by_side"]
 
@@ -51,10 +52,12 @@ def pairs_of(cands: list[Candidate]) -> list[Pair]:
 
 
 def side_by_side(cands: list[Candidate]) -> list[dict[str, Any]]:
-    """FP32 and the fastest eligible INT8 within budget, on each runtime, for the report."""
+    """FP32 and the fastest eligible INT8 within budget, on each runtime, for the report. An
+    INT8 candidate is one made by a step whose contract produces a quantized ONNX graph."""
     rows: list[dict[str, Any]] = []
     pairs = pairs_of(cands)
-    int8 = {c.name for c in cands if c.step in ("quantize", "qat", "nncf")}
+    int8_steps = kinds_producing("onnx-int8")
+    int8 = {c.name for c in cands if c.step in int8_steps}
     for rt in sorted({p.runtime for p in pairs}):
         fp32 = next((p for p in pairs if p.runtime == rt and p.candidate == BASELINE), None)
         best = pick_pair(p for p in pairs if p.runtime == rt and p.candidate in int8)

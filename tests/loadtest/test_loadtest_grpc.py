@@ -43,6 +43,26 @@ def test_grpc_load_test_against_slimline_serve_with_a_token() -> None:
     assert after["batch_size_sum"] - before["batch_size_sum"] >= 2 * res["requests"]
 
 
+def test_stream_load_test_answers_every_request_and_counts_bad_ones() -> None:
+    """``--protocol grpc-stream``: every request on one ModelStreamInfer stream is answered and
+    matched by its id; requests the server refuses count as bad requests, not lost ones."""
+    samples = {"x": np.random.default_rng(0).random((16, 4), dtype=np.float32)}
+    good = grpc_payloads(samples, "lin", batch_size=1)
+    bad = grpc_payloads({"z": samples["x"]}, "lin", batch_size=1)[:1]  # the model has no z
+    with serve_in_thread([_linear()], ServeSettings(port=0, grpc_port=0)) as handle:
+        cfg = LoadTestConfig(url=handle.url, model="lin", rate=60.0, duration_s=1.0,
+                             warmup_s=0.2, max_lag_ms=1000, protocol="grpc-stream",
+                             grpc_target=handle.grpc_target)  # fmt: skip
+        res = run_loadtest(cfg, payloads=good)
+        mixed = run_loadtest(cfg.model_copy(update={"warmup_s": 0.0}), payloads=good + bad)
+    assert res["outcomes"]["ok"] == res["requests"] > 30, res["error_samples"]
+    assert res["config"]["protocol"] == "grpc-stream"
+    outcomes = mixed["outcomes"]
+    assert outcomes["bad_request"] > 0 and outcomes["ok"] > 0
+    assert outcomes["ok"] + outcomes["bad_request"] == mixed["requests"]
+    assert "INVALID_ARGUMENT" in mixed["error_samples"]["bad_request"]
+
+
 def test_payloads_are_model_infer_requests_with_raw_contents() -> None:
     samples = {"x": np.arange(12, dtype=np.float32).reshape(6, 2)}
     payloads = grpc_payloads(samples, "m", batch_size=3)

@@ -3,6 +3,7 @@ sharing HTTP's batcher, queue policy, deadlines, token and metrics; status codes
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -128,6 +129,45 @@ def test_bad_requests_are_invalid_argument_naming_the_input(
     assert stub.ServerLive(pb.ServerLiveRequest()).live  # the server stays up
 
 
+def test_a_message_above_twice_the_limit_is_refused_by_grpc_and_the_server_stays_up(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    huge = np.zeros((9000, 4), "f4")  # 144 KB: above twice the 64 KiB body limit
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(_raw_request([huge.tobytes()], [9000, 4]))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert stub.ServerLive(pb.ServerLiveRequest()).live
+
+
+def test_stream_infer_with_unchanged_tritonclient_answers_each_request_by_id(
+    client: triton.InferenceServerClient, expected_logits: Callable[[np.ndarray], np.ndarray]
+) -> None:
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(3):
+            inp = triton.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(X[i : i + 1])
+            client.async_stream_infer("tiny", [inp], request_id=f"r{i}")
+        bad = triton.InferInput("y", [1, 4], "FP32")  # the model has no input y
+        bad.set_data_from_numpy(X[:1])
+        client.async_stream_infer("tiny", [bad], request_id="bad")
+        inp = triton.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(X[:1])
+        client.async_stream_infer("tiny", [inp], request_id="after")  # the stream goes on
+        got = [answers.get(timeout=10) for _ in range(5)]
+    finally:
+        client.stop_stream()
+    errors = [str(e) for r, e in got if e is not None]
+    assert len(errors) == 1 and "INVALID_ARGUMENT" in errors[0]
+    assert "has no input 'y'" in errors[0]
+    results = {r.get_response().id: r for r, e in got if e is None}
+    assert set(results) == {"r0", "r1", "r2", "after"}
+    for i in range(3):
+        logits = results[f"r{i}"].as_numpy("logits")
+        np.testing.assert_allclose(logits, expected_logits(X[i : i + 1]), rtol=1e-6)
+
+
 def test_unknown_model_is_not_found(client: triton.InferenceServerClient) -> None:
     inp = triton.InferInput("x", [1, 4], "FP32")
     inp.set_data_from_numpy(X[:1])
@@ -208,3 +248,12 @@ def test_api_token_guards_all_but_health() -> None:
         assert info.value.status() == "StatusCode.UNAUTHENTICATED"
         result = client.infer("fake", _fake_input(), headers={"authorization": "Bearer s3cret"})
         np.testing.assert_array_equal(result.as_numpy("x"), [[2.0, 2.0]])
+        request = pb.ModelInferRequest(model_name="fake", raw_input_contents=[b"\0" * 8])
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+        with grpc.insecure_channel(str(handle.grpc_target)) as channel:
+            stream = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stream(iter([request])))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            (answer,) = stream(iter([request]), metadata=[("authorization", "Bearer s3cret")])
+            assert answer.error_message == "" and answer.infer_response.model_name == "fake"

@@ -4,9 +4,12 @@ pass, and the relative feature loss between a student's and a teacher's."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
 
 __all__ = ["FeatureTap", "feature_loss", "first_output"]
 
@@ -19,7 +22,7 @@ class FeatureTap:
     """Forward hooks that collect, in call order, the outputs of the modules of ``model`` whose
     names fully match ``pattern`` (the first element where a module returns a tuple)."""
 
-    def __init__(self, model: Any, pattern: str) -> None:
+    def __init__(self, model: nn.Module, pattern: str) -> None:
         rx = re.compile(pattern)
         names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
         if not names:
@@ -30,22 +33,22 @@ class FeatureTap:
         self._attach(model, names)
 
     @classmethod
-    def of_names(cls, model: Any, names: list[str]) -> FeatureTap:
+    def of_names(cls, model: nn.Module, names: list[str]) -> FeatureTap:
         """A tap on the modules named ``names`` (each must exist)."""
         tap = cls.__new__(cls)
         tap._attach(model, names)
         return tap
 
-    def _attach(self, model: Any, names: list[str]) -> None:
+    def _attach(self, model: nn.Module, names: list[str]) -> None:
         self.names = list(names)
-        self.outputs: list[Any] = []
+        self.outputs: list[Tensor] = []
         mods = dict(model.named_modules())
         self._handles = [mods[n].register_forward_hook(self._hook) for n in self.names]
 
-    def _hook(self, module: Any, args: Any, out: Any) -> None:
+    def _hook(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         self.outputs.append(first_output(out))
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[Tensor]:
         out, self.outputs = self.outputs, []
         return out
 
@@ -55,8 +58,8 @@ class FeatureTap:
 
 
 def feature_loss(
-    student_feats: list[Any], teacher_feats: list[Any], names: list[str], mask: Any | None
-) -> Any:
+    student_feats: list[Tensor], teacher_feats: list[Tensor], names: list[str], mask: Tensor | None
+) -> Tensor:
     """Mean over modules of the relative squared error ``|s - t|^2 / |t|^2`` of their outputs,
     over unpadded positions where the output is ``[N, L, ...]`` with an ``[N, L]`` mask. Relative,
     so every layer weighs the same whatever the scale of its activations."""

@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -25,6 +25,10 @@ from ..recipe import Config
 from ..task import Task
 from .features import FeatureTap, feature_loss, first_output
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
+    from torch.nn.modules.dropout import _DropoutNd
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +114,15 @@ class DistillHooks:
     from in ``feature_taps``. Each method does nothing by default (``feature_taps``: the
     modules ``finetune.features`` names)."""
 
-    def prepare_student(self, student: Any) -> None:
+    def prepare_student(self, student: nn.Module) -> None:
         """Called once before the first held-out evaluation (and before a resumed state loads)."""
 
-    def param_groups(self, student: Any, params: list[Any]) -> list[dict[str, Any]]:
+    def param_groups(self, student: nn.Module, params: list[Tensor]) -> list[dict[str, Any]]:
         """The optimizer's parameter groups over the trainable ``params`` (AdamW options per
         group, e.g. ``lr``; unset ones take the run's)."""
         return [{"params": params}]
 
-    def before_forward(self, step: int, student: Any) -> None:
+    def before_forward(self, step: int, student: nn.Module) -> None:
         """Called before the student's forward pass of training step ``step`` (1-based)."""
 
     def on_step(self, step: int, loss: float) -> None:
@@ -133,7 +137,7 @@ class DistillHooks:
         """Restore :meth:`state` from a checkpoint (called before the first resumed step)."""
 
     def feature_taps(
-        self, student: Any, teacher: Any, cfg: FinetuneConfig
+        self, student: nn.Module, teacher: nn.Module, cfg: FinetuneConfig
     ) -> tuple[FeatureTap, FeatureTap] | None:
         """The hidden states the student learns from the teacher's, as a pair of taps whose
         outputs pair up in call order: by default the modules ``cfg.features`` names in both
@@ -190,7 +194,7 @@ def resolve_lr(task: Task | None, cfg: FinetuneConfig) -> float:
     return float(base) * cfg.lr_scale
 
 
-def to_tensors(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+def to_tensors(inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
     import torch
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
@@ -213,13 +217,13 @@ def trim_padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def distill_loss(
-    student_out: Any,
-    teacher_out: Any,
-    labels: Any,
+    student_out: Tensor,
+    teacher_out: Tensor,
+    labels: Any,  # a batch's labels as the task gives them (array-like), or None
     output_kind: str,
     cfg: FinetuneConfig,
-    task_loss: Callable[[Any, Any], Any] | None = None,
-) -> Any:
+    task_loss: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Tensor:
     """Distillation loss of one batch (plus the task loss where labels exist)."""
     import torch
     import torch.nn.functional as F
@@ -251,7 +255,7 @@ def distill_loss(
     return kd
 
 
-def _soft_bce(student: Any, teacher: Any) -> Any:
+def _soft_bce(student: Tensor, teacher: Tensor) -> Tensor:
     """Binary cross-entropy of probability outputs against the teacher's probabilities (minus
     the teacher's own entropy, so that a perfect student scores 0)."""
     import torch.nn.functional as F
@@ -299,7 +303,7 @@ def _split(batches: Batches, val_batches: int) -> tuple[list[Any], int]:
 
 
 def _val_loss(
-    student: Any, teacher: Any, val: list[Any], output_kind: str, cfg: FinetuneConfig
+    student: nn.Module, teacher: nn.Module, val: list[Any], output_kind: str, cfg: FinetuneConfig
 ) -> float:
     import torch
 
@@ -319,8 +323,8 @@ def _val_loss(
 
 
 def distill(
-    student: Any,
-    teacher: Any,
+    student: nn.Module,
+    teacher: nn.Module,
     batches: Batches,
     cfg: FinetuneConfig,
     *,
@@ -408,8 +412,8 @@ class TrainingStep:
 
     def __init__(
         self,
-        student: Any,
-        teacher: Any,
+        student: nn.Module,
+        teacher: nn.Module,
         cfg: FinetuneConfig,
         lr: float,
         output_kind: str,
@@ -427,7 +431,7 @@ class TrainingStep:
             self.opt, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
         )
         self.taps: tuple[FeatureTap, FeatureTap] | None = None
-        self.dropout: dict[Any, float] = {}
+        self.dropout: dict[_DropoutNd, float] = {}
 
     def open(self) -> None:
         """Attach the hidden-state taps and switch dropout off (``cfg.dropout: false``), after
@@ -454,7 +458,7 @@ class TrainingStep:
                 s_tap.take(), t_tap.take(), s_tap.names, x.get("attention_mask")
             )
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
         self.opt.step()
         self.sched.step()
@@ -510,7 +514,7 @@ def _resume_training(
     return start, float(saved["running"])
 
 
-def _dropout_off(model: Any) -> dict[Any, float]:
+def _dropout_off(model: nn.Module) -> dict[_DropoutNd, float]:
     """Set every ``nn.Dropout`` of ``model`` to p = 0 (attention implementations that read the
     module's ``p`` follow); returns the modules' rates, to restore."""
     import torch.nn as nn
@@ -521,7 +525,9 @@ def _dropout_off(model: Any) -> dict[Any, float]:
     return rates
 
 
-def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Task | None) -> Any:
+def _gradient_loss(
+    out: Tensor, t_out: Tensor, labels: Any, output_kind: str, task: Task | None
+) -> Tensor | None:
     """A loss with a non-zero gradient at student == teacher, or ``None`` where there is none."""
     import torch
     import torch.nn.functional as F
@@ -529,7 +535,8 @@ def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Ta
     if labels is not None:
         lab = torch.as_tensor(np.asarray(labels))
         if task is not None and task.loss is not None:
-            return task.loss(out, lab)
+            task_loss: Callable[[Tensor, Tensor], Tensor] = task.loss
+            return task_loss(out, lab)
         if output_kind == "logits" and not lab.is_floating_point():
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), lab.reshape(-1).long())
     if output_kind == "logits":  # the teacher's own predictions as labels
@@ -540,8 +547,8 @@ def _gradient_loss(out: Any, t_out: Any, labels: Any, output_kind: str, task: Ta
 
 
 def accumulate_gradients(
-    model: Any,
-    teacher: Any,
+    model: nn.Module,
+    teacher: nn.Module,
     batches: Batches,
     n_batches: int,
     *,
@@ -567,7 +574,7 @@ def accumulate_gradients(
         loss = _gradient_loss(first_output(model(**x)), t_out, labels, output_kind, task)
         if loss is None:
             break
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         used += 1
         if used >= n_batches:
             break

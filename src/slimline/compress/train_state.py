@@ -8,9 +8,12 @@ import copy
 import io
 import logging
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..record import atomic_write_bytes
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import nn
 
 __all__ = ["EarlyStopping", "FileCheckpoint", "TrainCheckpoint"]
 
@@ -56,12 +59,12 @@ class EarlyStopping:
     improved by more than ``min_delta`` (relative). :meth:`update` says when ``patience`` such
     evaluations have passed."""
 
-    def __init__(self, student: Any, loss: float, min_delta: float, patience: int) -> None:
+    def __init__(self, student: nn.Module, loss: float, min_delta: float, patience: int) -> None:
         self.best, self.state = loss, copy.deepcopy(student.state_dict())
         self.step, self.bad = 0, 0
         self.min_delta, self.patience = min_delta, patience
 
-    def update(self, step: int, loss: float, student: Any) -> bool:
+    def update(self, step: int, loss: float, student: nn.Module) -> bool:
         """Record the held-out ``loss`` of ``student`` after ``step``; True: stop training."""
         if loss < self.best * (1.0 - self.min_delta):
             self.best, self.state = loss, copy.deepcopy(student.state_dict())

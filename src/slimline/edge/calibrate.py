@@ -18,6 +18,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import CalibrationError, SlimlineError
+from ..measure.quality import collect_outputs
+from ..measure.runners import OrtRunner
+from ..recipe import recipe_from_dict
+from ..record import atomic_write_bytes, atomic_write_text, load_manifest
+from ..task import load_task
+from .scores import resolve_score
 
 __all__ = ["CalibrationError", "calibrate", "curve", "pick", "plot_curve"]
 
@@ -102,7 +108,6 @@ def _no_point(
 
 def plot_curve(doc: dict[str, Any], path: Path) -> None:
     """Metric against escalation rate, with the edge, the cloud and the chosen point."""
-    from ..record import atomic_write_bytes
     from ..report.plots import figure, plt
 
     pts = doc["curve"]
@@ -127,10 +132,6 @@ def plot_curve(doc: dict[str, Any], path: Path) -> None:
 
 def _task_for(edge: Path, task_spec: str | None) -> Any:
     """The task named by ``--task``, else the one the edge's run directory was made from."""
-    from ..recipe import recipe_from_dict
-    from ..record import load_manifest
-    from ..task import load_task
-
     if task_spec is not None:
         return load_task(task_spec)
     if not edge.is_dir():
@@ -164,10 +165,7 @@ def calibrate(
     limit: int | None = None,
 ) -> dict[str, Any]:
     """Run both models on the task's evaluation data, sweep the threshold, and choose one."""
-    from ..measure.quality import collect_outputs
-    from ..measure.runners import OrtRunner
     from ..serve.model import resolve_model_path
-    from .scores import resolve_score
 
     task = _task_for(edge, task_spec)
     spec = _score_spec(task, score)
@@ -201,8 +199,6 @@ def calibrate(
 
 def write_calibration(doc: dict[str, Any], out: Path) -> Path:
     """``out`` (JSON) and the plot beside it (same stem, ``.png``); returns the plot's path."""
-    from ..record import atomic_write_text
-
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(doc, indent=1))
     png = out.with_suffix(".png")

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..errors import SlimlineError
+
 __all__ = ["register"]
 
 
@@ -34,8 +36,6 @@ def register(sub: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from ..errors import SlimlineError
-
     rate, loss = args.target_escalation, args.max_loss
     if rate is not None and not 0.0 <= rate <= 1.0:
         raise SlimlineError(f"--target-escalation is {rate:g}; give a share between 0 and 1")

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..measure.runners import ORT_TO_NP, ort_session
 from .memory import choose, chosen_setting, memory_profile
 from .setting import MemorySetting
 
@@ -26,8 +27,6 @@ def serve_batch_sizes(max_batch_size: int) -> list[int]:
 
 def _ones_sampler(model: Path) -> Callable[[int], dict[str, np.ndarray]]:
     """Inputs of ones for a model without data: the batch on axis 0, other free dims FREE_DIM."""
-    from ..measure.runners import ORT_TO_NP, ort_session
-
     sess = ort_session(model, 1, level="disable", user_model=True)
     specs = [(i.name, ORT_TO_NP.get(i.type, "float32"), list(i.shape)) for i in sess.get_inputs()]
 

@@ -42,9 +42,10 @@ def _register_loadtest(sub: Any) -> None:
     p.add_argument("--inputs", help=".npz, task .py, example name or run dir (default: --model)")
     p.add_argument("--encoding", choices=["json", "binary"], default="json",
                    help="HTTP request encoding (gRPC always sends raw tensor bytes)")  # fmt: skip
-    p.add_argument("--protocol", choices=["http", "grpc"], default="http",
-                   help="send infer requests over HTTP or the gRPC form of the protocol; checks "
-                   "and /metrics still use the HTTP URL")  # fmt: skip
+    p.add_argument("--protocol", choices=["http", "grpc", "grpc-stream"], default="http",
+                   help="send infer requests over HTTP, as gRPC ModelInfer calls, or on gRPC "
+                   "ModelStreamInfer streams (one per connection); checks and /metrics still "
+                   "use the HTTP URL")  # fmt: skip
     p.add_argument("--grpc-target", default=None,
                    help="HOST:PORT of the server's gRPC port (default: the URL's host, 8001)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=1, help="rows per request (default 1)")

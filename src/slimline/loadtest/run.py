@@ -58,7 +58,7 @@ class LoadTestConfig(Config):
     processes: int | Literal["auto"] = "auto"
     max_lag_ms: float = Field(10.0, gt=0)
     token: str | None = Field(None, exclude=True, repr=False)
-    protocol: Literal["http", "grpc"] = "http"
+    protocol: Literal["http", "grpc", "grpc-stream"] = "http"
     grpc_target: str | None = Field(
         None, description="host:port of the server's gRPC port (default: the URL's host, 8001)"
     )
@@ -152,7 +152,7 @@ def sample_payloads(cfg: LoadTestConfig) -> list[Payload]:
             raise LoadTestError(
                 f"no --inputs given, so the model name is the sample source: {err}; pass --inputs"
             ) from None
-    if cfg.protocol == "grpc":
+    if cfg.protocol != "http":
         from .grpc_client import grpc_payloads
 
         return grpc_payloads(samples, cfg.model, cfg.batch_size)
@@ -296,11 +296,14 @@ def run_loadtest(
 
 def _checked_client(cfg: LoadTestConfig, payload: Payload, meta: dict[str, Any]) -> ClientFactory:
     """The client of ``cfg.protocol``, once one real request through it was answered."""
-    if cfg.protocol == "grpc":
+    if cfg.protocol != "http":
         from .grpc_client import GrpcClient, check_grpc_request
 
         check_grpc_request(cfg.grpc_address, payload, cfg.model, cfg.token)
-        return functools.partial(GrpcClient, cfg.grpc_address, cfg.timeout_s, cfg.token)
+        stream = cfg.protocol == "grpc-stream"
+        return functools.partial(
+            GrpcClient, cfg.grpc_address, cfg.timeout_s, cfg.token, stream=stream
+        )
     check_request(cfg.url, cfg.model, payload, meta, cfg.token)
     return functools.partial(HttpClient, cfg.url, cfg.model, cfg.timeout_s, cfg.token)
 

@@ -16,8 +16,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..candidate import Candidate
+from ..errors import CandidateError
 from ..module_guard import torch_threads
 from ..recipe import BenchConfig
+from ..runtimes import pair_name
 from ..signature import Signature, tile_rows
 from ..task import Inputs
 from .runners import Runner, make_runner
@@ -316,9 +318,6 @@ def _runners(
     """(key, runner) per measured pair (only those in ``pairs`` when given); with several
     runtimes, ``{"failed": why}`` per pair a runtime cannot load (with one runtime a load
     failure raises, as before)."""
-    from ..errors import CandidateError
-    from ..runtimes import pair_name
-
     if len(runtimes) == 1:
         return [(c.name, make_runner(c, threads, sig, runtimes[0])) for c in cands], {}
     keyed: list[tuple[str, Runner]] = []

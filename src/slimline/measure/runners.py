@@ -23,6 +23,7 @@ from ..errors import CandidateError, InputMismatchError, ModelFileError, Slimlin
 from ..module_guard import eval_module, torch_threads
 from ..signature import ModelInput, Signature
 from ..tensors import Inputs
+from .ov import OvRunner
 from .rowwise import RowwiseRunner
 
 __all__ = [
@@ -277,8 +278,6 @@ def make_runner(
     """A runner for ``cand``: its ONNX file on ``runtime`` (``onnxruntime`` or ``openvino``),
     else its torch module."""
     if cand.onnx is not None and runtime == "openvino":
-        from .ov import OvRunner
-
         return OvRunner(cand.name, cand.onnx, threads, signature)
     if is_ir(cand.onnx):
         raise CandidateError(

@@ -8,6 +8,12 @@ through :func:`~slimline.serve.requests.classify_error`, then from the HTTP stat
 400/413/415 ``INVALID_ARGUMENT``, 404 ``NOT_FOUND``, 503 ``UNAVAILABLE``, 504
 ``DEADLINE_EXCEEDED``, 500 ``INTERNAL``.
 
+``ModelStreamInfer`` (Triton's bidirectional stream, which ``tritonclient.grpc``'s
+``start_stream`` / ``async_stream_infer`` use) runs every request of a stream through the same
+path, concurrently, answering each as it finishes. A stream costs gRPC's Python layer a read
+and a write per request instead of a whole call (its set-up, metadata and status), which is
+most of what a unary call costs beyond HTTP (``bench/RESULTS-serve.md``).
+
 Tensors travel as ``raw_input_contents`` (one entry per input, little-endian) or as typed
 ``contents``; outputs always go back as ``raw_output_contents``, as Triton does. A client's gRPC
 deadline is the request's deadline (the ``timeout`` parameter in microseconds too; the smaller
@@ -17,10 +23,12 @@ input that crossed it; above twice the limit gRPC itself refuses them (``RESOURC
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -256,29 +264,90 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
         await self._check_token(context)
-        slot = await self._slot(request.model_name, request.model_version, context)
+        answer = await self._answer(request, context.time_remaining())
+        if isinstance(answer, pb.ModelInferResponse):
+            return answer
+        await _abort(context, *answer)
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Triton's streaming infer: every request on the stream runs at once through the same
+        batcher (so they batch together) and is answered as soon as it is done, in any order,
+        with its id; a failed request gets ``error_message`` ("CODE: message", the code that
+        ``ModelInfer`` would have ended with) and the stream goes on."""
+        await self._check_token(context)
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read_stream(requests, context, answers))
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            reader.cancel()
+
+    async def _read_stream(
+        self,
+        requests: AsyncIterator[pb.ModelInferRequest],
+        context: Any,
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None],
+    ) -> None:
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            answer = await self._answer(request, context.time_remaining())
+            if isinstance(answer, pb.ModelInferResponse):
+                answers.put_nowait(pb.ModelStreamInferResponse(infer_response=answer))
+                return
+            failed = pb.ModelStreamInferResponse(error_message=f"{grpc_code(answer[0]).name}: "
+                                                 f"{answer[1]}")  # fmt: skip
+            failed.infer_response.model_name = request.model_name
+            failed.infer_response.id = request.id
+            answers.put_nowait(failed)
+
+        try:
+            async for request in requests:
+                task = asyncio.create_task(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+        finally:
+            for left in running:
+                left.cancel()
+            answers.put_nowait(None)
+
+    async def _answer(
+        self, request: pb.ModelInferRequest, remaining: float | None
+    ) -> pb.ModelInferResponse | tuple[int, str]:
+        """The response to one infer request, or (HTTP status, message) of its failure; counted
+        in the model's metrics either way."""
+        try:
+            slot = self.state.find(request.model_name, request.model_version or None)
+        except ProtocolError as err:
+            return err.status, str(err)
         series = self.state.observers[slot.model.name]
         started = time.perf_counter()
         series.inflight.inc()
         slot.inflight += 1  # the version stays in service until this call is answered
         outcome = "error"
         try:
-            response = await self._infer(slot, request, context)
+            response = await self._infer(slot, request, remaining)
             outcome = "ok"
             series.latency.observe(time.perf_counter() - started)
             return response
         except Exception as err:
             status, outcome, message = classify_error(err, slot.model)
-            await _abort(context, status, message)
+            return status, message
         finally:
             slot.inflight -= 1
             series.inflight.dec()
             series.requests[outcome].inc()
 
-    async def _infer(self, slot: Slot, request: Any, context: Any) -> pb.ModelInferResponse:
+    async def _infer(
+        self, slot: Slot, request: Any, remaining: float | None
+    ) -> pb.ModelInferResponse:
         slot.batcher.check_admission()
         req = request_tensors(request, self.state.settings.max_body_bytes)
-        remaining = context.time_remaining()
         timeout_s = min(t for t in (remaining, req.timeout_s, math.inf) if t is not None)
         outputs, parameters = await infer_tensors(
             self.state, slot, req, None if math.isinf(timeout_s) else max(timeout_s, 1e-3)

@@ -32,6 +32,7 @@ __all__ = [
     "check_order",
     "config_class",
     "handler_for",
+    "kinds_producing",
     "registered_kinds",
     "restorer_for",
     "spec_for",
@@ -134,6 +135,13 @@ def _load_builtins() -> None:
 def registered_kinds() -> list[str]:
     _load_builtins()
     return sorted(c.kind for c in _SPECS)
+
+
+def kinds_producing(form: Form) -> frozenset[str]:
+    """The kinds of the registered steps whose contract says their output holds ``form`` (every
+    INT8 technique, for ``"onnx-int8"``): a new technique is one by its contract alone."""
+    _load_builtins()
+    return frozenset(cls.kind for cls, spec in _SPECS.items() if form in spec.contract.produces)
 
 
 def config_class(kind: str) -> type[StepConfig]:

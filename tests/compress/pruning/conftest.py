@@ -18,7 +18,7 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Round checkpoints and sensitivity tables go to a per-test step cache (a context from
     ``api.context_for`` without ``cache`` opens ``cache_dir()``); trained fixture weights stay
     shared."""
-    import slimline.pipeline as pipeline
+    import slimline.pipeline.run as pipeline
 
     root = tmp_path / "prune-cache"
     monkeypatch.setattr(pipeline, "cache_dir", lambda *parts: _mk(root.joinpath(*parts)))

@@ -102,7 +102,7 @@ def test_a_missing_stack_names_what_was_looked_for() -> None:
 # -- removal -------------------------------------------------------------------------------
 def test_removal_is_real_and_updates_the_config(bert: Task) -> None:
     assert bert.model is not None
-    model = drop_layers(_copy(bert.model()), "encoder.encoder.layer", [0, 2, 3])
+    model: Any = drop_layers(_copy(bert.model()), "encoder.encoder.layer", [0, 2, 3])  # a BERT
     assert len(model.encoder.encoder.layer) == 3
     assert model.encoder.config.num_hidden_layers == 3
     assert not any(k.startswith("encoder.encoder.layer.3.") for k in model.state_dict())
@@ -299,7 +299,8 @@ def test_depth_pruned_export_is_smaller_and_restores_from_the_state_dict(
     want = TorchRunner("t", cand.module, 1).run(sample)
     np.testing.assert_allclose(OrtRunner("o", cand.onnx, 1).run(sample), want, atol=1e-4)
     restored = restore_pruned(ctx.workdir, cand.meta, bert)
-    assert len(restored.encoder.encoder.layer) == 3
+    layers = restored.get_submodule("encoder.encoder.layer")
+    assert isinstance(layers, nn.ModuleList) and len(layers) == 3
     np.testing.assert_allclose(TorchRunner("r", restored, 1).run(sample), want, atol=1e-6)
     assert len(bert.model().encoder.encoder.layer) == 4
 

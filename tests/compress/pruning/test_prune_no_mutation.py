@@ -160,7 +160,8 @@ def test_a_sweep_worker_prunes_a_copy_of_the_tasks_module() -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("slimline.task.load_task", lambda *a: task)  # the worker's own load
         evaluator = sensitivity._rebuild(spec)
-    assert evaluator.model.conv.out_channels == 48
+    conv = evaluator.model.get_submodule("conv")
+    assert isinstance(conv, torch.nn.Conv2d) and conv.out_channels == 48
     cached = task.model()
     assert cached.conv.out_channels == 64 and task.model() is cached
     assert all(torch.equal(v, task.module.BUILT_STATE[k]) for k, v in cached.state_dict().items())

@@ -78,7 +78,7 @@ def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:
 def test_the_step_keeps_the_chosen_layers_float(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slimline.pipeline as pipeline
+    import slimline.pipeline.run as pipeline
 
     monkeypatch.setattr(pipeline, "cache_dir", lambda *p: _mk(tmp_path.joinpath("c", *p)))
     task = load_task(str(DIGITS))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.ao.quantization import FakeQuantize
 
 from slimline.compress.finetune import FinetuneConfig, distill
 from slimline.compress.qat import fakequant as fq
@@ -59,6 +60,7 @@ def _prepared(method: Any) -> Any:
 
 def _input_range(model: Any) -> tuple[float, float]:
     first = fq.fake_quant_modules(model)["activation_post_process_0"]  # the model input
+    assert isinstance(first, FakeQuantize | LearnedRange)
     scale, zp = float(first.scale), int(first.zero_point)
     return -zp * scale, (255 - zp) * scale
 
@@ -131,6 +133,7 @@ def test_distillation_trains_the_ranges_and_the_export_carries_them(tmp_path: Pa
     )
     assert len(gains) == 6 and all(g != 0.0 for g in gains[-1])  # every range moved
     first = fq.fake_quant_modules(model)["activation_post_process_0"]
+    assert isinstance(first, FakeQuantize | LearnedRange)
     path = export_module(
         fq.export_module_for(model.eval()), _outlier_batches(1)[0], tmp_path / "q.onnx"
     )

@@ -13,13 +13,13 @@ from quant_fixtures import batches, cnn_task, make_ctx
 
 from fixtures.int8_kinds import first_static_label
 from slimline.candidate import Candidate
-from slimline.compress.quant import auto
+from slimline.compress.quant import trial
 from slimline.compress.quant.calibrate import _bound_bins, calibrate
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.engine import quantize_model
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import prepare
-from slimline.compress.quantize import quantize_step
+from slimline.compress.quant.step import quantize_step
 from slimline.cpu import CpuInt8
 from slimline.errors import CandidateError, StepError
 from slimline.measure.runners import check_candidate
@@ -156,7 +156,7 @@ def _sabotage(match: str, how: str):  # type: ignore[no-untyped-def]
 def test_a_failing_trial_is_rejected_with_its_reason_and_the_search_goes_on(
     cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, cpu_kind: CpuInt8
 ) -> None:
-    monkeypatch.setattr(auto, "quantize_model", _sabotage("percentile", how))
+    monkeypatch.setattr(trial, "quantize_model", _sabotage("percentile", how))
     task = cnn_task(cnn_onnx)
     ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"max_metric_drop": 0.5, "min_cosine": 0.5})
     cfg = QuantizeConfig(samples=32, keep_first_last_float=True, mixed_precision=False)
@@ -181,7 +181,7 @@ def test_a_failing_trial_is_rejected_with_its_reason_and_the_search_goes_on(
 def test_every_trial_failing_fails_the_step_with_each_reason(
     cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_kind: CpuInt8
 ) -> None:
-    monkeypatch.setattr(auto, "quantize_model", _sabotage("static", "raise"))
+    monkeypatch.setattr(trial, "quantize_model", _sabotage("static", "raise"))
     task = cnn_task(cnn_onnx)
     ctx = make_ctx(task, cnn_onnx, tmp_path / "work")
     cfg = QuantizeConfig(samples=16, keep_first_last_float=True)

@@ -19,9 +19,9 @@ from slimline import api
 from slimline.candidate import Candidate
 from slimline.compress.nncf_ov import nncf_ov_alternative, nncf_ov_quantize
 from slimline.compress.nncf_ptq import NncfConfig, nncf_quantize_onnx, overflow_fix_for
-from slimline.compress.quant.auto import cpu_formats
+from slimline.compress.quant.candidates import cpu_formats
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
-from slimline.compress.quantize import for_openvino
+from slimline.compress.quant.step import for_openvino
 from slimline.cpu import CpuInt8
 from slimline.export import export_module
 from slimline.recipe import Recipe

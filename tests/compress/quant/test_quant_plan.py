@@ -5,10 +5,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slimline.compress.quant.auto import Trial, candidates, forced, format_warnings, pick
+from slimline.compress.quant.auto import pick
+from slimline.compress.quant.candidates import candidates, forced, format_warnings
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import Prepared
+from slimline.compress.quant.trial import Trial
 from slimline.cpu import CpuInt8
 from slimline.errors import RecipeError
 from slimline.measure.quality import Quality

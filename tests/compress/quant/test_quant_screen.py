@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from slimline.candidate import Candidate
-from slimline.compress.quant.auto import Search, Trial, _stopped
+from slimline.compress.quant.auto import _stopped
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import PrecisionPlan
+from slimline.compress.quant.trial import Search, Trial
 from slimline.context import StepContext
 from slimline.measure.quality import Quality, Reference
 from slimline.measure.screen import best_case, subset_reference
@@ -144,8 +145,8 @@ def test_mixed_precision_stops_when_the_float_share_cannot_reach_the_budget(
 ) -> None:
     from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx
 
-    from slimline.compress.quant.auto import mixed_precision
     from slimline.compress.quant.calibrate import calibrate
+    from slimline.compress.quant.mixed import mixed_precision
     from slimline.compress.quant.plan import resolve_plan
     from slimline.compress.quant.prepare import prepare
 

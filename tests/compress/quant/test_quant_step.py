@@ -10,12 +10,13 @@ import pytest
 from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx, text_inputs
 
 from slimline.candidate import QUANTIZABLE_SOURCE, Candidate
-from slimline.compress.quant.auto import Search, mixed_precision
 from slimline.compress.quant.calibrate import calibrate
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.mixed import mixed_precision
 from slimline.compress.quant.plan import resolve_plan
 from slimline.compress.quant.prepare import prepare
-from slimline.compress.quantize import quantize_step
+from slimline.compress.quant.step import quantize_step
+from slimline.compress.quant.trial import Search
 from slimline.context import StepContext
 from slimline.cpu import detect as detect_cpu
 from slimline.errors import RecipeError

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
@@ -25,6 +25,9 @@ from ...config import Config
 from ...errors import RecipeError
 from ..finetune import DistillHooks, FeatureTap, FinetuneConfig
 from .graph import _count_layers, apply_history
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
 
 __all__ = [
     "DepthPlan",
@@ -111,7 +114,7 @@ class StackInfo:
     block: str  # the blocks' class name
 
 
-def _module_lists(model: Any) -> list[tuple[str, Any]]:
+def _module_lists(model: nn.Module) -> list[tuple[str, Any]]:
     import torch.nn as nn
 
     found = []
@@ -122,7 +125,7 @@ def _module_lists(model: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def find_stack(model: Any, path: str | None = None) -> StackInfo:
+def find_stack(model: nn.Module, path: str | None = None) -> StackInfo:
     """The encoder stack of ``model``: the list named ``path``, else the module list of two or
     more blocks of one type holding the most parameters. A :class:`RecipeError` names what was
     looked for when there is none."""
@@ -150,7 +153,7 @@ def find_stack(model: Any, path: str | None = None) -> StackInfo:
     return StackInfo(name, len(mod), type(mod[0]).__name__)
 
 
-def drop_layers(model: Any, path: str, keep: list[int]) -> Any:
+def drop_layers(model: nn.Module, path: str, keep: list[int]) -> nn.Module:
     """Rebuild the stack at ``path`` from the blocks ``keep`` (in place), so the removed blocks
     are gone from the module, its state dict and its export. A ``transformers`` config's
     ``num_hidden_layers`` and the blocks' ``layer_idx`` follow the new numbering."""
@@ -177,7 +180,7 @@ def drop_entry(path: str, keep: list[int]) -> dict[str, Any]:
     return {"op": DROP_OP, "path": path, "keep": list(keep)}
 
 
-def replay_history(model: Any, example: dict[str, Any], history: list[Any]) -> Any:
+def replay_history(model: nn.Module, example: dict[str, Tensor], history: list[Any]) -> nn.Module:
     """Re-apply a pruned module's history to a fresh copy of the unpruned model (in place):
     layer drops and, between them, Torch-Pruning's channel removals, in the order they were
     made."""
@@ -231,7 +234,9 @@ def check_depth_request(cfg: LayersConfig, stack: StackInfo) -> None:
         )
 
 
-def layer_macs(model: Any, example: dict[str, Any], stack: StackInfo) -> tuple[list[float], int]:
+def layer_macs(
+    model: nn.Module, example: dict[str, Tensor], stack: StackInfo
+) -> tuple[list[float], int]:
     """MACs at batch 1 of each block of the stack, and of the whole model."""
     total, _, leaf = _count_layers(model, example)
     per = [0.0] * stack.size
@@ -255,8 +260,21 @@ def check_target(cfg: LayersConfig, stack: StackInfo, per: list[float], total: i
 
 
 # -- sensitivity -------------------------------------------------------------------------------
+class Scorer(Protocol):
+    """What :func:`layer_sensitivity` reads of a :class:`.sensitivity.Evaluator` (which imports
+    this module, so it is not imported here)."""
+
+    model: nn.Module
+    base_metric: float
+
+    @property
+    def samples(self) -> int: ...
+
+    def score(self, model: nn.Module) -> dict[str, float]: ...
+
+
 def layer_sensitivity(
-    evaluator: Any, stack: StackInfo, layers: list[int], fidelity_weight: float
+    evaluator: Scorer, stack: StackInfo, layers: list[int], fidelity_weight: float
 ) -> dict[str, Any]:
     """Each of ``layers`` dropped alone from a copy of ``evaluator.model``: metric, cosine to
     the unpruned outputs, and the predicted loss (metric drop + ``fidelity_weight`` x
@@ -352,7 +370,7 @@ class LayerMapHooks(DistillHooks):
         ]
 
     def feature_taps(
-        self, student: Any, teacher: Any, cfg: FinetuneConfig
+        self, student: nn.Module, teacher: nn.Module, cfg: FinetuneConfig
     ) -> tuple[FeatureTap, FeatureTap] | None:
         if cfg.feature_weight <= 0:
             return None

@@ -18,9 +18,12 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...errors import StepError
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
 
 __all__ = [
     "CostModel",
@@ -66,7 +69,7 @@ def keep_units(size: int, ratio: float, kind: GroupKind, round_to: int, max_rati
 
 
 @contextmanager
-def _module_stack(model: Any) -> Iterator[list[str]]:
+def _module_stack(model: nn.Module) -> Iterator[list[str]]:
     """Track which modules are executing; after an exception the innermost is last."""
     stack: list[str] = []
     handles = []
@@ -74,10 +77,10 @@ def _module_stack(model: Any) -> Iterator[list[str]]:
         if not name:
             continue
 
-        def pre(_m: Any, _a: Any, n: str = name) -> None:
+        def pre(_m: nn.Module, _a: tuple[Any, ...], n: str = name) -> None:
             stack.append(n)
 
-        def post(_m: Any, _a: Any, _o: Any, n: str = name) -> None:
+        def post(_m: nn.Module, _a: tuple[Any, ...], _o: Any, n: str = name) -> None:
             if stack and stack[-1] == n:
                 stack.pop()
 
@@ -95,12 +98,12 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
 
 
-def _forward(model: Any, example: dict[str, Any]) -> Any:
+def _forward(model: nn.Module, example: dict[str, Tensor]) -> Any:
     out = model(**example)
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _attention_blocks(model: Any) -> dict[str, Any]:
+def _attention_blocks(model: nn.Module) -> dict[str, Any]:
     """HF-style self-attention blocks: ``num_attention_heads`` and query/key/value Linears."""
     import torch.nn as nn
 
@@ -113,7 +116,7 @@ def _attention_blocks(model: Any) -> dict[str, Any]:
     return blocks
 
 
-def sync_attention(model: Any) -> None:
+def sync_attention(model: nn.Module) -> None:
     """Keep attention blocks' head counts in step with their (pruned) projections."""
     for mod in _attention_blocks(model).values():
         head_dim = (
@@ -142,8 +145,8 @@ class PruneGraph:
 
     def __init__(
         self,
-        model: Any,
-        example: dict[str, Any],
+        model: nn.Module,
+        example: dict[str, Tensor],
         *,
         exclude: list[str] | tuple[str, ...] = (),
         keep_first_last: bool = True,
@@ -192,7 +195,9 @@ class PruneGraph:
                 h.remove()
         return dg, list(dict.fromkeys(order))
 
-    def _ignored(self, order: list[str], exclude: Any, keep_first_last: bool) -> list[Any]:
+    def _ignored(
+        self, order: list[str], exclude: list[str] | tuple[str, ...], keep_first_last: bool
+    ) -> list[nn.Module]:
         names = set(fnmatch.filter(self.names.values(), "*")) - {""}
         picked = {n for pat in exclude for n in fnmatch.filter(names, pat)}
         picked |= self._output_layers()  # their channels are the model's output
@@ -211,7 +216,7 @@ class PruneGraph:
         for name, mod in self.model.named_modules():
             if isinstance(mod, (torch.nn.modules.conv._ConvNd, torch.nn.Linear)):
 
-                def hook(_m: Any, _i: Any, o: Any, n: str = name) -> None:
+                def hook(_m: nn.Module, _i: tuple[Any, ...], o: Any, n: str = name) -> None:
                     if isinstance(o, torch.Tensor) and o.grad_fn is not None:
                         made[o.grad_fn] = n
 
@@ -393,13 +398,17 @@ def _first_output(out: Any) -> Any:
     return out.float().sum()
 
 
-def prune_channels(model: Any, example: dict[str, Any], root: str, idxs: list[int]) -> Any:
+def prune_channels(
+    model: nn.Module, example: dict[str, Tensor], root: str, idxs: list[int]
+) -> nn.Module:
     """Remove output channels ``idxs`` of layer ``root`` and everything coupled to them, in
     place (one-off: builds its own dependency graph)."""
     return apply_history(model, example, [[root, True, idxs]])
 
 
-def apply_history(model: Any, example: dict[str, Any], history: list[list[Any]]) -> Any:
+def apply_history(
+    model: nn.Module, example: dict[str, Tensor], history: list[list[Any]]
+) -> nn.Module:
     """Re-apply a recorded pruning history to a fresh copy of the unpruned model (in place)."""
     import torch_pruning as tp
 
@@ -414,13 +423,15 @@ def apply_history(model: Any, example: dict[str, Any], history: list[list[Any]])
 
 
 # -- MACs and parameters ---------------------------------------------------------------------------
-def count_macs_params(model: Any, example: dict[str, Any]) -> tuple[int, int]:
+def count_macs_params(model: nn.Module, example: dict[str, Tensor]) -> tuple[int, int]:
     """(MACs at batch 1, parameters) counted by Torch-Pruning's op counter."""
     macs, params, _ = _count_layers(model, example)
     return macs, params
 
 
-def _count_layers(model: Any, example: dict[str, Any]) -> tuple[int, int, dict[str, float]]:
+def _count_layers(
+    model: nn.Module, example: dict[str, Tensor]
+) -> tuple[int, int, dict[str, float]]:
     import torch
     import torch_pruning as tp
 

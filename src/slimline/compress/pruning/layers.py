@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...candidate import Candidate
 from ...context import StepContext
+from ...export import ExportConfig
 from ...module_guard import private_copy
-from ..finetune import FileCheckpoint, distill
+from ..finetune import Batches, FileCheckpoint, distill
 from .config import PruneConfig
 from .depth import (
     LayerMapHooks,
@@ -32,6 +33,9 @@ from .pricing import Option, ShapeSpec, choose, price_options
 from .sensitivity import Evaluator
 from .state import RoundState, save_torch
 
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
+
 __all__ = ["DepthRequest", "DepthStage", "check_depth", "run_depth"]
 
 log = logging.getLogger("slimline.prune")
@@ -45,7 +49,7 @@ DepthRequest = tuple[StackInfo, list[float], int]  # the stack, MACs per layer, 
 class DepthStage:
     def __init__(
         self,
-        model: Any,
+        model: nn.Module,
         entry: dict[str, Any],
         hooks: LayerMapHooks,
         meta: dict[str, Any],
@@ -55,7 +59,9 @@ class DepthStage:
         self.width = width  # share to thin every width group by next (a latency-priced plan)
 
 
-def check_depth(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> DepthRequest | None:
+def check_depth(
+    cfg: PruneConfig, module: nn.Module, example: dict[str, Tensor]
+) -> DepthRequest | None:
     """The stack and its per-layer MACs, after checking the request against them."""
     if cfg.layers is None:
         return None
@@ -70,9 +76,9 @@ def _depth_table(
     cfg: PruneConfig,
     ctx: StepContext,
     cand: Candidate,
-    teacher: Any,
+    teacher: nn.Module,
     stack: StackInfo,
-    example: dict[str, Any],
+    example: dict[str, Tensor],
     state: RoundState,
 ) -> dict[str, Any] | None:
     """Each droppable layer dropped alone (cached in the step cache, kept in the checkpoint)."""
@@ -101,11 +107,11 @@ def run_depth(
     cfg: PruneConfig,
     ctx: StepContext,
     cand: Candidate,
-    module: Any,
-    teacher: Any,
-    data: Any,
+    module: nn.Module,
+    teacher: nn.Module,
+    data: Batches,
     state: RoundState,
-    example: dict[str, Any],
+    example: dict[str, Tensor],
     request: DepthRequest,
 ) -> DepthStage:
     """Drop the planned layers from a copy of ``module`` and recover it by distillation, each
@@ -151,15 +157,13 @@ def _why(chosen: Option, cfg: PruneConfig) -> str:
 def _priced(
     cfg: PruneConfig,
     ctx: StepContext,
-    teacher: Any,
+    teacher: nn.Module,
     stack: StackInfo,
     table: dict[str, Any],
-    example: dict[str, Any],
+    example: dict[str, Tensor],
     state: RoundState,
 ) -> tuple[list[Option], Option]:
     """The options priced by timing (once: a resumed run keeps the first run's choice)."""
-    from ...export import ExportConfig
-
     layers = cfg.layers
     assert layers is not None and layers.latency is not None
     saved = state.data.get("depth_options")
@@ -192,9 +196,9 @@ def _priced(
 def _recover_depth(
     cfg: PruneConfig,
     ctx: StepContext,
-    student: Any,
-    teacher: Any,
-    data: Any,
+    student: nn.Module,
+    teacher: nn.Module,
+    data: Batches,
     state: RoundState,
     hooks: LayerMapHooks,
     last: bool,

@@ -7,18 +7,21 @@ import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import RecipeError
 from ...task import Task
-from ..finetune import accumulate_gradients
+from ..finetune import Batches, accumulate_gradients
 from .config import PruneConfig
 from .graph import CostModel, PruneGraph
 from .planner import Plan, check_reachable, make_plan, plan_from_ratios
 from .sensitivity import Evaluator, SweepSpec, run_sweep, table_losses
 from .state import RoundState
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import nn
 
 __all__ = ["SWEEP_KIND", "sweep_key", "unit_importance", "width_plan"]
 
@@ -50,7 +53,12 @@ def sweep_key(
 
 
 def unit_importance(
-    cfg: PruneConfig, ctx: StepContext, model: Any, teacher: Any, data: Any, source: str
+    cfg: PruneConfig,
+    ctx: StepContext,
+    model: nn.Module,
+    teacher: nn.Module,
+    data: Batches,
+    source: str,
 ) -> tuple[Any, str]:
     import torch_pruning as tp
 

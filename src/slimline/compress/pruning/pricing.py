@@ -18,13 +18,23 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ...candidate import Candidate
 from ...errors import StepError
+from ...export import export_module
+from ...measure.latency import benchmark, paired_speedup
 from ...module_guard import private_copy
+from ...recipe import BenchConfig
 from .depth import StackInfo, drop_layers, droppable
 from .graph import CostModel, PruneGraph
 from .planner import plan_from_ratios
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
+
+    from ...tensors import Inputs
+    from .sensitivity import Evaluator
 
 __all__ = ["Option", "ShapeSpec", "choose", "least_sensitive", "price_options"]
 
@@ -64,7 +74,12 @@ def least_sensitive(table: dict[str, Any], k: int) -> list[int]:
 
 
 def build_shape(
-    teacher: Any, stack: StackInfo, keep: list[int], width: float, spec: ShapeSpec, example: Any
+    teacher: nn.Module,
+    stack: StackInfo,
+    keep: list[int],
+    width: float,
+    spec: ShapeSpec,
+    example: dict[str, Tensor],
 ) -> Any:
     """A copy of ``teacher`` with only ``keep`` layers, thinned by ``width`` (no recovery)."""
     import torch_pruning as tp
@@ -108,10 +123,8 @@ def _options(
     return out
 
 
-def _onnx(module: Any, sample: Any, path: Path, opset: int, int8: bool) -> Path:
+def _onnx(module: nn.Module, sample: Inputs, path: Path, opset: int, int8: bool) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from ...export import export_module
 
     fp32 = export_module(module, sample, path, opset)
     if not int8:
@@ -123,15 +136,15 @@ def _onnx(module: Any, sample: Any, path: Path, opset: int, int8: bool) -> Path:
 
 def price_options(
     *,
-    teacher: Any,
+    teacher: nn.Module,
     stack: StackInfo,
     table: dict[str, Any],
     widths: list[float],
     keep_first_last: bool,
     spec: ShapeSpec,
-    evaluator: Any,
+    evaluator: Evaluator,
     fidelity_weight: float,
-    example: Any,
+    example: dict[str, Tensor],
     sample: dict[str, Any],
     workdir: Path,
     opset: int,
@@ -141,10 +154,6 @@ def price_options(
 ) -> list[Option]:
     """Every option built, scored before recovery and timed interleaved with the unpruned
     model (``Option.ratio``; a failed option keeps its ``error``)."""
-    from ...candidate import Candidate
-    from ...measure.latency import benchmark, paired_speedup
-    from ...recipe import BenchConfig
-
     start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     options = _options(table, stack, keep_first_last, widths)

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...candidate import Candidate
 from ...context import StepContext
-from ..finetune import DistillHooks, distill
+from ..finetune import Batches, DistillHooks, distill
 from .config import PruneConfig
 from .graph import PruneGraph, count_macs_params, keep_units, sync_attention
 from .planner import Plan
 from .planning import unit_importance
 from .state import RoundState
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import nn
 
 __all__ = ["run_rounds"]
 
@@ -47,8 +50,8 @@ def _one_round(
     cfg: PruneConfig,
     ctx: StepContext,
     graph: PruneGraph,
-    teacher: Any,
-    data: Any,
+    teacher: nn.Module,
+    data: Batches,
     source: str,
     plan: Plan,
     i: int,
@@ -103,8 +106,8 @@ def run_rounds(
     cfg: PruneConfig,
     ctx: StepContext,
     graph: PruneGraph,
-    teacher: Any,
-    data: Any,
+    teacher: nn.Module,
+    data: Batches,
     source: str,
     plan: Plan,
     state: RoundState,

@@ -20,15 +20,20 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import DataError, StepError
 from ...measure.quality import fidelity
 from ...module_guard import private_copy
-from ...task import Task, iter_rows
+from ...task import Task, iter_rows, load_task
+from ..finetune import to_tensors, trim_padding
+from .depth import replay_history
 from .graph import PruneGraph, keep_units, prune_channels
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
 
 __all__ = [
     "SLOW_SWEEP_SECONDS",
@@ -112,7 +117,9 @@ def _concat_labels(labels: list[Any]) -> Any:
 class Evaluator:
     """Prunes a copy of the model per job and measures metric and cosine on the subset."""
 
-    def __init__(self, model: Any, task: Task, limit: int, example: dict[str, Any]) -> None:
+    def __init__(
+        self, model: nn.Module, task: Task, limit: int, example: dict[str, Tensor]
+    ) -> None:
         self.model = model.eval()
         self.task = task
         self.example = example
@@ -121,10 +128,8 @@ class Evaluator:
         self.reference = self._outputs(self.model)
         self.base_metric = float(task.metric(self.reference, self.labels))
 
-    def _outputs(self, model: Any) -> np.ndarray:
+    def _outputs(self, model: nn.Module) -> np.ndarray:
         import torch
-
-        from ..finetune import to_tensors, trim_padding
 
         outs = []
         with torch.inference_mode():
@@ -138,7 +143,7 @@ class Evaluator:
     def samples(self) -> int:
         return sum(len(next(iter(b.values()))) for b, _ in self.batches)
 
-    def score(self, model: Any) -> dict[str, float]:
+    def score(self, model: nn.Module) -> dict[str, float]:
         """Task metric and mean cosine to the unpruned outputs of ``model`` on the subset."""
         outputs = self._outputs(model)
         fid = fidelity(outputs, self.reference, self.task.output_kind == "logits")
@@ -161,10 +166,6 @@ _WORKER: Evaluator | None = None
 
 def _rebuild(spec: SweepSpec) -> Evaluator:
     import torch
-
-    from ...task import load_task
-    from ..finetune import to_tensors
-    from .depth import replay_history
 
     torch.set_num_threads(spec.threads)
     task = load_task(spec.task_source, spec.task_samples)

@@ -8,10 +8,13 @@ import io
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...record import atomic_write_bytes, atomic_write_json
 from ..finetune import FileCheckpoint
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import nn
 
 __all__ = ["RoundState", "save_torch"]
 
@@ -33,7 +36,7 @@ class RoundState:
         atomic_write_json(self.root / "state.json", self.data)
 
     def save_round(
-        self, i: int, model: Any, history: list[list[Any]], records: list[dict[str, Any]]
+        self, i: int, model: nn.Module, history: list[list[Any]], records: list[dict[str, Any]]
     ) -> None:
         save_torch(self.root / f"round-{i}.pt", model.state_dict())
         self.save(rounds_done=i, history=history, records=records, partial=None)
@@ -58,10 +61,13 @@ class RoundState:
     def recovery(self, i: int) -> FileCheckpoint:
         return FileCheckpoint(self.root / f"partial-{i}.pt", "prune: recovery")
 
-    def load_round(self) -> Any:
+    def load_round(self) -> dict[str, Any]:
         import torch
 
-        return torch.load(self.root / f"round-{self.rounds_done}.pt", weights_only=True)
+        state: dict[str, Any] = torch.load(
+            self.root / f"round-{self.rounds_done}.pt", weights_only=True
+        )
+        return state
 
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

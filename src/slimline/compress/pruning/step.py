@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import StepError
+from ...export import ExportConfig, export_module, verify_export
 from ...module_guard import private_copy, torch_threads
 from ...record import atomic_write_json
 from ...records import PruneRecord
 from ...steps import Contract, step
 from ...task import Task
-from ..finetune import DistillHooks, resolve_data, to_tensors
+from ..finetune import Batches, DistillHooks, resolve_data, to_tensors
 from .config import PruneConfig
 from .depth import replay_history
 from .graph import CostModel, PruneGraph, count_macs_params
@@ -38,6 +39,9 @@ from .planning import sweep_key, unit_importance, width_plan
 from .rounds import run_rounds
 from .state import RoundState, save_torch
 
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    from torch import Tensor, nn
+
 __all__ = ["PruneConfig", "prune_step", "restore_pruned"]
 
 HISTORY_ATTR = "_slimline_prune_history"  # pruning history carried by a pruned module
@@ -45,13 +49,13 @@ WEIGHTS_FILE = "pruned.pt"
 HISTORY_FILE = "prune_history.json"
 
 
-def _save_module(workdir: Path, module: Any, history: list[Any]) -> dict[str, str]:
+def _save_module(workdir: Path, module: nn.Module, history: list[Any]) -> dict[str, str]:
     save_torch(workdir / WEIGHTS_FILE, module.state_dict())
     atomic_write_json(workdir / HISTORY_FILE, history)
     return {"weights": WEIGHTS_FILE, "history_file": HISTORY_FILE}
 
 
-def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> Any:
+def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> nn.Module:
     """Rebuild the pruned module of a cached prune step: a copy of the task's model, the
     recorded channel removals re-applied, then the saved weights
     (``torch.load(weights_only=True)``). The task's own module is left as it was: ``model()``
@@ -61,7 +65,7 @@ def restore_pruned(entry: Path, meta: dict[str, Any], task: Task) -> Any:
     if task.model is None:
         raise StepError(f"task {task.name} has no model(); a cached prune step cannot be restored")
     history = json.loads((Path(entry) / meta["history_file"]).read_text())
-    model = private_copy(task.model()).eval()
+    model: nn.Module = private_copy(task.model()).eval()
     replay_history(model, to_tensors(task.sample_inputs(2)), history)
     model.load_state_dict(torch.load(Path(entry) / meta["weights"], weights_only=True))
     setattr(model, HISTORY_ATTR, history)
@@ -72,16 +76,14 @@ def _state_dir(cfg: PruneConfig, cand: Candidate, ctx: StepContext) -> Path:
     return ctx.step_cache().work_dir(ctx.cache_key(cfg, cand, config=cfg.key_dict()))
 
 
-def _export(ctx: StepContext, module: Any) -> tuple[Path, dict[str, Any]]:
-    from ...export import ExportConfig, export_module, verify_export
-
+def _export(ctx: StepContext, module: nn.Module) -> tuple[Path, dict[str, Any]]:
     cfg = ctx.recipe.step_config(ExportConfig)
     sample = ctx.task.sample_inputs(cfg.check_samples)
     path = export_module(module, sample, ctx.workdir / "model.onnx", cfg.opset)
     return path, verify_export(module, path, sample, cfg, ctx.threads)
 
 
-def _torch_view(ctx: StepContext, teacher: Any, pruned: Any) -> dict[str, Any] | None:
+def _torch_view(ctx: StepContext, teacher: nn.Module, pruned: nn.Module) -> dict[str, Any] | None:
     """Metric, fidelity and interleaved latency of the pruned model in PyTorch against the FP32
     PyTorch model: the PyTorch half of the report's four-way table."""
     if ctx.compare_fn is None:  # a context without a benchmark (library use, unit tests)
@@ -101,16 +103,17 @@ def _torch_view(ctx: StepContext, teacher: Any, pruned: Any) -> dict[str, Any] |
     }
 
 
-def _input_module(cand: Candidate) -> Any:
+def _input_module(cand: Candidate) -> nn.Module:
     if cand.module is None:
         raise StepError(
             f"prune needs a torch model, but candidate {cand.name} is an ONNX file only; give a "
             "task .py whose model() returns the torch.nn.Module"
         )
-    return cand.module
+    module: nn.Module = cand.module
+    return module
 
 
-def _graph(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> PruneGraph:
+def _graph(cfg: PruneConfig, module: nn.Module, example: dict[str, Tensor]) -> PruneGraph:
     graph = PruneGraph(
         private_copy(module).eval(),  # Torch-Pruning changes the model in place
         example,
@@ -126,8 +129,8 @@ def _graph(cfg: PruneConfig, module: Any, example: dict[str, Any]) -> PruneGraph
     return graph
 
 
-def _frozen(module: Any) -> Any:
-    teacher = private_copy(module).eval()
+def _frozen(module: nn.Module) -> nn.Module:
+    teacher: nn.Module = private_copy(module).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher
@@ -206,9 +209,9 @@ def _width(
     cfg: PruneConfig,
     ctx: StepContext,
     cand: Candidate,
-    start: Any,
-    teacher: Any,
-    data_source: tuple[Any, str],
+    start: nn.Module,
+    teacher: nn.Module,
+    data_source: tuple[Batches, str],
     state: RoundState,
     base_history: list[Any],
     hooks: DistillHooks | None,

@@ -12,11 +12,12 @@ from ...candidate import Candidate, quantizable_graph
 from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...task import Inputs
-from ..quant.auto import Search, Trial, mixed_precision
 from ..quant.calibrate import calibrate
 from ..quant.config import CalibrationName, QuantizeConfig, QuantSpec
+from ..quant.mixed import mixed_precision
 from ..quant.plan import resolve_plan
 from ..quant.prepare import prepare
+from ..quant.trial import Search, Trial
 from .fakequant import FakeQuantFormat
 
 __all__ = ["LATENCY_TOLERANCE", "RECOVERY_TARGET", "PtqRows", "compare_rows", "ptq_rows"]
@@ -111,6 +112,8 @@ def _row(name: str, label: str, quality: Any, kernels: dict[str, Any] | None) ->
         "label": label,
         "metric": quality.metric if quality is not None else None,
         "cosine_mean": quality.cosine_mean if quality is not None else None,
+        # the worst declared output's agreement with FP32 (the budget's min_agreement judges it)
+        "agreement": quality.agreement if quality is not None else None,
         "int8_share": kernels["int8_share"] if kernels else 0.0,
         "kernels": kernels["summary"] if kernels else "float",
     }
@@ -175,17 +178,19 @@ def _p50(row: dict[str, Any] | None) -> float | None:
 
 
 def _verdicts(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Recovered share of what full PTQ lost (metric and cosine; also against full PTQ with
-    QAT's calibration, ``..._vs_calibrated``, where it was built), QAT latency against full PTQ
-    (within 10%) and against mixed precision (faster)."""
+    """Recovered share of what full PTQ lost (metric, cosine and the declared outputs'
+    agreement; also against full PTQ with QAT's calibration, ``..._vs_calibrated``, where it was
+    built), QAT latency against full PTQ (within 10%) and against mixed precision (faster)."""
     out: dict[str, Any] = {}
     fp32, full, mixed, qat = rows["fp32"], rows.get("ptq_full"), rows.get("ptq_mixed"), rows["qat"]
     for ptq_key, suffix in (("ptq_full", ""), ("ptq_full_calibrated", "_vs_calibrated")):
         ptq = rows.get(ptq_key)
         if ptq is None or qat.get("metric") is None or ptq.get("metric") is None:
             continue
-        for key in ("metric", "cosine_mean"):
-            lost = fp32[key] - ptq[key]
+        for key in ("metric", "cosine_mean", "agreement"):
+            if ptq.get(key) is None or qat.get(key) is None:
+                continue
+            lost = (1.0 if key == "agreement" else fp32[key]) - ptq[key]  # FP32 agrees with itself
             out[f"{key}_lost_by_ptq{suffix}"] = lost
             share = (qat[key] - ptq[key]) / lost if lost > 0 else None
             out[f"{key}_recovered_share{suffix}"] = share

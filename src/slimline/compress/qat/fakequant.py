@@ -1,6 +1,6 @@
 """Fake quantization that simulates the INT8 format the ``quantize`` step deploys, and its export.
 
-The format is the one :func:`slimline.compress.quant.auto.cpu_formats` chooses for the CPU: U8
+The format is the one :func:`slimline.compress.quant.candidates.cpu_formats` chooses for the CPU: U8
 asymmetric per-tensor activations and S8 symmetric per-channel weights (range [-127, 127], as
 ONNX Runtime's quantizer uses for symmetric INT8), 7-bit weights ([-64, 64]) where the CPU has
 no VNNI. ``torch.ao.quantization``'s FX graph mode inserts the fake-quant modules (Conv-BN-ReLU
@@ -15,13 +15,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
 from ...cpu import CpuInt8
+from ..quant.calibrate import ENTROPY_BINS, HISTOGRAM_BINS, bound_bins, hist_limit, subsample
+from ..quant.candidates import cpu_formats
+from ..quant.config import QuantizeConfig
+
+if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
+    import torch.ao.nn.intrinsic.qat as nniqat
+    import torch.ao.nn.qat as nnqat
+    from torch import Tensor, nn
+    from torch.ao.quantization import FakeQuantize, FakeQuantizeBase, QConfig, QConfigMapping
+
+    from ._modules import LearnedRange, QConv2d, QLinear
 
 __all__ = [
     "CalibrationMethod",
@@ -73,9 +84,6 @@ def format_for(
     there, has no symmetric INT8 weights to simulate, so QAT uses the reduce-range format.
     ``ops``: fake quantization at every op ``quantize_ops: all`` quantizes, or around the compute
     layers only (``compute``)."""
-    from ..quant.auto import cpu_formats
-    from ..quant.config import QuantizeConfig
-
     _, _, reduce_range = cpu_formats(QuantizeConfig(), cpu)[0]
     return FakeQuantFormat(
         reduce_range=reduce_range, cpu_kind=cpu.kind, ops=ops, float_modules=float_modules
@@ -91,7 +99,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _qconfig(fmt: FakeQuantFormat) -> Any:
+def _qconfig(fmt: FakeQuantFormat) -> QConfig:
     import torch
     from torch.ao.quantization import (
         FakeQuantize,
@@ -119,12 +127,11 @@ def _qconfig(fmt: FakeQuantFormat) -> Any:
     return QConfig(activation=act, weight=weight)  # type: ignore[no-untyped-call]
 
 
-def _qconfig_mapping(fmt: FakeQuantFormat) -> Any:
+def _qconfig_mapping(fmt: FakeQuantFormat) -> QConfigMapping:
     """Every op (``all``), or the compute layers only (``compute``): convolutions and linear
     layers with the BatchNorm and ReLU that fuse into them (fusion needs one qconfig for all the
     modules it fuses); the element-wise ops between them stay float, as in ONNX Runtime's QDQ
     model with ``op_types_to_quantize`` the compute ops."""
-    import torch
     from torch.ao.quantization import QConfigMapping
 
     qconfig = _qconfig(fmt)
@@ -132,15 +139,17 @@ def _qconfig_mapping(fmt: FakeQuantFormat) -> Any:
         mapping = QConfigMapping().set_global(qconfig)
     else:
         mapping = QConfigMapping()
-        for kind in _compute_types(torch):
+        for kind in _compute_types():
             mapping = mapping.set_object_type(kind, qconfig)
     for name in fmt.float_modules:
         mapping = mapping.set_module_name(name, None)
     return mapping
 
 
-def _compute_types(torch: Any) -> tuple[Any, ...]:
-    nn = torch.nn
+def _compute_types() -> tuple[Callable[..., Any], ...]:
+    import torch
+    from torch import nn
+
     return (
         nn.Conv1d,
         nn.Conv2d,
@@ -155,7 +164,7 @@ def _compute_types(torch: Any) -> tuple[Any, ...]:
     )
 
 
-def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
+def prepare(model: nn.Module, example: dict[str, Tensor], fmt: FakeQuantFormat) -> nn.Module:
     """A fake-quant copy of ``model`` (an FX ``GraphModule`` in training mode); ``model`` is
     left as it was. Fake quantization starts disabled: :func:`calibrate` sets the ranges first."""
     import torch
@@ -177,13 +186,13 @@ def prepare(model: Any, example: dict[str, Any], fmt: FakeQuantFormat) -> Any:
     return prepared
 
 
-def fake_quant_modules(model: Any) -> dict[str, Any]:
+def fake_quant_modules(model: nn.Module) -> dict[str, FakeQuantizeBase]:
     from torch.ao.quantization import FakeQuantizeBase
 
     return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantizeBase)}
 
 
-def learn_ranges(model: Any, weights: bool = False, zero_points: bool = False) -> int:
+def learn_ranges(model: nn.Module, weights: bool = False, zero_points: bool = False) -> int:
     """Make every activation range of the calibrated fake-quant ``model`` trainable: each
     activation fake quant becomes a :class:`._modules.LearnedRange` that starts at its
     calibrated scale and zero point; with ``weights``, each weight fake quant becomes a
@@ -195,6 +204,7 @@ def learn_ranges(model: Any, weights: bool = False, zero_points: bool = False) -
     for name, fq in list(fake_quant_modules(model).items()):
         if isinstance(fq, (LearnedRange, LearnedWeightRange)):
             continue
+        fq = cast("FakeQuantize", fq)  # what prepare() inserts: its qconfig's FakeQuantize
         if _is_weight(fq):
             if weights:
                 new = LearnedWeightRange(fq.scale, int(fq.quant_min), int(fq.quant_max))
@@ -216,7 +226,7 @@ def learn_ranges(model: Any, weights: bool = False, zero_points: bool = False) -
     return count
 
 
-def range_parameters(model: Any) -> list[Any]:
+def range_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable range parameters (:func:`learn_ranges`) of ``model``."""
     from ._modules import LearnedRange, LearnedWeightRange
 
@@ -224,7 +234,7 @@ def range_parameters(model: Any) -> list[Any]:
     return [m.log_gain for m in model.modules() if isinstance(m, kinds)]
 
 
-def offset_parameters(model: Any) -> list[Any]:
+def offset_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable zero points (offsets, in quantization steps) of ``model``'s learned
     activation ranges (``learn_ranges(..., zero_points=True)``)."""
     from ._modules import LearnedRange
@@ -234,13 +244,13 @@ def offset_parameters(model: Any) -> list[Any]:
     ]
 
 
-def _replace(model: Any, name: str, new: Any) -> None:
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
 
 
-def _fixed_range(learned: Any) -> Any:
+def _fixed_range(learned: LearnedRange) -> FakeQuantize:
     """A plain fake quant (observer off) with a learned range's final scale and zero point: the
     form the TorchScript exporter writes as QuantizeLinear / DequantizeLinear."""
     import torch
@@ -264,7 +274,7 @@ CalibrationMethod = Literal["minmax", "entropy", "percentile"]
 
 
 def calibrate(
-    model: Any,
+    model: nn.Module,
     batches: Iterable[dict[str, np.ndarray]],
     samples: int,
     method: CalibrationMethod = "minmax",
@@ -300,7 +310,7 @@ def calibrate(
         model.train(was_training)
     for name, (lo, hi) in ranges.result().items():
         if name in acts:
-            _set_range(acts[name], lo, hi)
+            _set_range(cast("FakeQuantize", acts[name]), lo, hi)  # prepare()'s
             if method != "minmax":  # a moving min / max would drift back to the outliers
                 acts[name].disable_observer()
     model.apply(enable_fake_quant)
@@ -318,14 +328,12 @@ class _Ranges:
         if method != "minmax":
             from onnxruntime.quantization.calibrate import HistogramCollector
 
-            from ..quant.calibrate import ENTROPY_BINS, HISTOGRAM_BINS
-
             bins = ENTROPY_BINS if method == "entropy" else HISTOGRAM_BINS
             # the arguments the quantize step's calibration passes (asymmetric U8 activations)
             self.collector = HistogramCollector(method, False, bins, 128, percentile, "same")
 
-    def hook(self, name: str) -> Any:
-        def record(module: Any, args: Any) -> None:
+    def hook(self, name: str) -> Callable[[nn.Module, tuple[Tensor, ...]], None]:
+        def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
             x = args[0].detach()
             self.lo[name] = min(self.lo.get(name, 0.0), float(x.min()))
             self.hi[name] = max(self.hi.get(name, 0.0), float(x.max()))
@@ -335,8 +343,6 @@ class _Ranges:
         return record
 
     def _histogram(self, name: str, arr: np.ndarray) -> None:
-        from ..quant.calibrate import bound_bins, hist_limit, subsample
-
         sub = {name: subsample(arr, hist_limit(len(arr), self.samples))}
         bound_bins(self.collector, sub)
         with contextlib.redirect_stdout(None):  # the collector prints per call
@@ -354,13 +360,13 @@ class _Ranges:
         return out
 
 
-def _is_weight(fq: Any) -> bool:
+def _is_weight(fq: nn.Module) -> bool:
     import torch
 
     return bool(fq.qscheme == torch.per_channel_symmetric)
 
 
-def _set_range(fq: Any, lo: float, hi: float) -> None:
+def _set_range(fq: FakeQuantize, lo: float, hi: float) -> None:
     import torch
 
     obs = fq.activation_post_process
@@ -371,7 +377,7 @@ def _set_range(fq: Any, lo: float, hi: float) -> None:
     fq.zero_point.resize_(zero_point.shape).copy_(zero_point)
 
 
-def freeze_bn(model: Any) -> None:
+def freeze_bn(model: nn.Module) -> None:
     """BatchNorm statistics stop updating (the QAT forward already uses the running ones), in
     the fused QAT modules and in any BatchNorm left outside them (after a layer kept in float),
     which is put in eval mode: it normalizes with its running statistics, as deployed."""
@@ -385,7 +391,7 @@ def freeze_bn(model: Any) -> None:
             module.eval()
 
 
-def freeze_observers(model: Any) -> None:
+def freeze_observers(model: nn.Module) -> None:
     """Activation and weight ranges stop following the data: the scales are final."""
     from torch.ao.quantization import disable_observer
 
@@ -393,7 +399,7 @@ def freeze_observers(model: Any) -> None:
 
 
 # -- export --------------------------------------------------------------------------------------
-def _export_weight(fq: Any, weight: Any) -> tuple[Any, Any, Any]:
+def _export_weight(fq: FakeQuantize, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(weight on the learned grid, scale, int32 zero point) of one per-channel fake quant."""
     import torch
 
@@ -405,7 +411,7 @@ def _export_weight(fq: Any, weight: Any) -> tuple[Any, Any, Any]:
     return q, scale, zp
 
 
-def _export_conv(module: Any) -> Any:
+def _export_conv(module: nnqat.Conv2d | nniqat.ConvBn2d) -> QConv2d:
     import torch
     import torch.ao.nn.intrinsic.qat as nniqat
 
@@ -423,19 +429,19 @@ def _export_conv(module: Any) -> Any:
     return QConv2d(q, bias.detach(), scale, zp, module, relu)
 
 
-def _export_linear(module: Any) -> Any:
+def _export_linear(module: nnqat.Linear) -> QLinear:
     import torch
     import torch.ao.nn.intrinsic.qat as nniqat
 
     from ._modules import QLinear
 
-    weight, bias = module.weight.detach(), module.bias
-    bias = bias.detach() if bias is not None else torch.zeros(weight.shape[0])
+    weight = module.weight.detach()
+    bias = module.bias.detach() if module.bias is not None else torch.zeros(weight.shape[0])
     q, scale, zp = _export_weight(module.weight_fake_quant, weight)
     return QLinear(q, bias, scale, zp, isinstance(module, nniqat.LinearReLU))
 
 
-def _export_replacement(module: Any) -> Any | None:
+def _export_replacement(module: nn.Module) -> nn.Module | None:
     import torch.ao.nn.intrinsic.qat as nniqat
     import torch.ao.nn.qat as nnqat
 
@@ -447,7 +453,7 @@ def _export_replacement(module: Any) -> Any | None:
     return None
 
 
-def export_module_for(model: Any) -> Any:
+def export_module_for(model: nn.Module) -> nn.Module:
     """An eval-mode copy of the fake-quant ``model`` that computes the same function in the form
     the QDQ export needs: BatchNorm folded into each convolution, each weight on its learned
     INT8 grid, activation fake quants as they are (observers off), and each quantized layer's
@@ -471,7 +477,7 @@ def export_module_for(model: Any) -> Any:
     return out
 
 
-def _round_biases(model: Any) -> int:
+def _round_biases(model: nn.Module) -> int:
     """Put the bias of every quantized convolution or linear layer whose input is fake-quantized
     per tensor on the grid of ONNX Runtime's INT32 bias: input scale x each channel's weight
     scale. ONNX Runtime quantizes a float bias that way at load time (its
@@ -493,7 +499,7 @@ def _round_biases(model: Any) -> int:
     return done
 
 
-def _layers_and_inputs(model: Any) -> Iterator[tuple[Any, Any]]:
+def _layers_and_inputs(model: nn.Module) -> Iterator[tuple[nn.Module, nn.Module]]:
     """(module, the module that computed its first input) for each module call of the FX
     ``model`` whose first input is another module's output."""
     graph = getattr(model, "graph", None)
@@ -506,7 +512,7 @@ def _layers_and_inputs(model: Any) -> Iterator[tuple[Any, Any]]:
 
 
 # -- INT32 biases in training ------------------------------------------------------------------
-def simulate_int32_bias(model: Any) -> int:
+def simulate_int32_bias(model: nn.Module) -> int:
     """Make every QAT convolution or linear layer whose input is fake-quantized per tensor add
     what rounding its bias to ONNX Runtime's INT32 grid changes (``_modules.bias_rounding``), as
     the exported model computes (:func:`_round_biases`), so training sees the deployed
@@ -528,12 +534,12 @@ def simulate_int32_bias(model: Any) -> int:
     return done
 
 
-def _is_activation_fq(module: Any) -> bool:
+def _is_activation_fq(module: nn.Module) -> bool:
     from torch.ao.quantization import FakeQuantizeBase
 
     return isinstance(module, FakeQuantizeBase) and not _is_weight(module)
 
 
-def activation_fake_quants(model: Any) -> dict[str, Any]:
+def activation_fake_quants(model: nn.Module) -> dict[str, FakeQuantizeBase]:
     """``model``'s activation fake quants (not its weights'), by name."""
     return {n: m for n, m in fake_quant_modules(model).items() if not _is_weight(m)}

@@ -1,6 +1,7 @@
 """``quantize: {fallback: qat}``: quantization-aware training when post-training quantization plus
 mixed precision misses the budget, or meets it only by keeping more than ``max_float_share`` of
-the compute ops in float. QAT runs with the ``qat`` step's defaults (the quantize step's cache key
+the compute ops in float. On an ONNX task QAT trains the float graph converted to torch
+(``onnx_module.py``); a graph it cannot convert rejects QAT with the op named, and PTQ stands. QAT runs with the ``qat`` step's defaults (the quantize step's cache key
 does not read other steps' settings); the better of the two is returned, the other is recorded as an alternative."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...records import SearchRecord
-from ..quant.auto import Trial
 from ..quant.config import QuantizeConfig
+from ..quant.trial import Trial
 from .compare import ptq_rows
 from .fakequant import format_for
 from .step import QatConfig, run_qat
@@ -47,7 +48,7 @@ def qat_fallback(
     if why is None:
         ptq.meta["qat_fallback"] = "not needed: post-training quantization met the budget"
         return ptq
-    if cand.module is None:
+    if cand.module is None and not ctx.task.is_onnx:
         ptq.meta["qat_fallback"] = f"{why}; QAT skipped: {cand.name} has no torch model"
         ctx.warn(f"quantize: {ptq.meta['qat_fallback']}")
         return ptq
@@ -63,6 +64,7 @@ def qat_fallback(
             raise
         ptq.meta["qat_fallback"] = f"{why}; QAT failed: {error_text(err)}"
         ctx.warn(f"quantize: {ptq.meta['qat_fallback']}")
+        ctx.alternatives.append(_failed(cand, why, ptq, err))
         return ptq
     qat.meta["fallback_from"] = {"why": why, "ptq": ptq.name, "ptq_reason": ptq.reason}
     ok = qat.meta["comparison"]["rows"]["qat"].get("budget_ok", False)
@@ -77,3 +79,19 @@ def qat_fallback(
     reason = qat.meta["comparison"]["rows"]["qat"].get("budget_reason", "over budget")
     ctx.alternatives.append(replace(qat, accepted=False, reason=f"QAT fallback: {reason}"))
     return ptq
+
+
+def _failed(cand: Candidate, why: str, ptq: Candidate, err: Exception) -> Candidate:
+    """The QAT candidate that could not be built (e.g. an ONNX op the converter does not cover),
+    rejected with the error; the run records it beside the PTQ pick."""
+    return Candidate(
+        name="qat",
+        step="qat",
+        parent=cand.name,
+        accepted=False,
+        reason=f"QAT fallback failed: {error_text(err)}",
+        meta={
+            "failure": {"type": type(err).__name__, "error": error_text(err)},
+            "fallback_from": {"why": why, "ptq": ptq.name, "ptq_reason": ptq.reason},
+        },
+    )

@@ -257,13 +257,19 @@ class QatHooks(DistillHooks):
         }
 
 
-def _input_module(cand: Candidate, ctx: StepContext) -> Any:
-    if cand.module is None:
+def _input_module(cand: Candidate, ctx: StepContext) -> tuple[Any, dict[str, Any] | None]:
+    """The torch model to train, and the record of its conversion where it came from the ONNX
+    file of an ONNX task (:func:`.onnx_module.module_for`)."""
+    if cand.module is not None:
+        return cand.module, None
+    if cand.onnx is None or not ctx.task.is_onnx:
         raise StepError(
-            f"qat needs a torch model, but candidate {cand.name} is an ONNX file only; give a "
-            "task .py whose model() returns the torch.nn.Module"
+            f"qat needs a torch model or an ONNX task's float graph, but candidate {cand.name} "
+            "has neither; give a task .py whose model() returns the torch.nn.Module"
         )
-    return cand.module
+    from .onnx_module import module_for
+
+    return module_for(cand, ctx)
 
 
 def _check_data(ctx: StepContext) -> None:
@@ -531,15 +537,19 @@ def export_passes(cosine: float, noise_floor: float, bound: float) -> bool:
 def run_qat(
     cfg: QatConfig, cand: Candidate, ctx: StepContext, ptq: PtqRows | None = None
 ) -> Candidate:
-    """QAT on ``cand``'s torch model; ``ptq``: post-training rows to compare against (the
+    """QAT on ``cand``'s torch model (an ONNX task's: its float graph converted); ``ptq``: post-training rows to compare against (the
     quantize step's, when it falls back to QAT), else built here when ``compare_ptq``."""
     t0 = time.perf_counter()
-    module = _input_module(cand, ctx)
     _check_data(ctx)
     state = _state_dir(cfg, cand, ctx)
     with torch_threads(ctx.threads):
+        module, converted = _input_module(cand, ctx)
         trained = _train(cfg, module, ctx, state)
         path, check = _export(cfg, trained["student"], ctx)
+    if converted is not None:  # the task's declarations and signature name the ONNX output
+        from .onnx_module import rename_output
+
+        rename_output(path, converted["output"])
     kernels = kernel_report(path, ctx.threads)
     qat = Candidate("qat", "qat", cand.name, onnx=path)
     if ptq is None and cfg.compare_ptq and cand.onnx is not None:
@@ -547,6 +557,7 @@ def run_qat(
     table = compare_rows(ctx, qat, kernels, ptq)
     shutil.rmtree(state, ignore_errors=True)
     meta = {
+        **({"from_onnx": converted} if converted is not None else {}),
         **trained["record"],
         "label": trained["format"].label,
         "export_check": check,
@@ -561,11 +572,12 @@ def run_qat(
 
 @step(
     QatConfig,
-    contract=Contract(consumes=("torch",), produces=("onnx-int8",)),
+    contract=Contract(consumes=("torch", "onnx"), produces=("onnx-int8",)),
     # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear; 3: calibration
     # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
-    # gradient scale, learned zero points, export check's noise floor
-    version=4,
+    # gradient scale, learned zero points, export check's noise floor; 5: an ONNX task's float
+    # graph converted to torch (onnx_module.py)
+    version=5,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )

@@ -1,8 +1,8 @@
 """INT8 quantization engine: graph preparation, chunked calibration, QDQ/dynamic quantization,
 fallback detection, layer-wise error and automatic search with mixed precision.
 
-The recipe step lives in :mod:`slimline.compress.quantize`; these modules are plain functions
-(ONNX path in, ONNX path out) so they can be used and tested without a pipeline.
+The recipe step is :mod:`.step`, with its config in :mod:`.config`; the other modules are plain
+functions (ONNX path in, ONNX path out) so they can be used and tested without a pipeline.
 """
 
 from __future__ import annotations

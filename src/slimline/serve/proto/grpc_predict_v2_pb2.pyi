@@ -299,3 +299,11 @@ class RepositoryModelUnloadRequest(_message.Message):
 class RepositoryModelUnloadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ModelStreamInferResponse(_message.Message):
+    __slots__ = ("error_message", "infer_response")
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFER_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    error_message: str
+    infer_response: ModelInferResponse
+    def __init__(self, error_message: _Optional[str] = ..., infer_response: _Optional[_Union[ModelInferResponse, _Mapping]] = ...) -> None: ...

@@ -64,6 +64,11 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=grpc__predict__v2__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
+                _registered_method=True)
         self.RepositoryIndex = channel.unary_unary(
                 '/inference.GRPCInferenceService/RepositoryIndex',
                 request_serializer=grpc__predict__v2__pb2.RepositoryIndexRequest.SerializeToString,
@@ -120,6 +125,14 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """Triton's extension: many requests on one stream, each answered (in any order) by a response
+        that carries the request's id, or by an error message naming what was wrong with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RepositoryIndex(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -170,6 +183,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=grpc__predict__v2__pb2.ModelInferRequest.FromString,
                     response_serializer=grpc__predict__v2__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=grpc__predict__v2__pb2.ModelInferRequest.FromString,
+                    response_serializer=grpc__predict__v2__pb2.ModelStreamInferResponse.SerializeToString,
             ),
             'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.RepositoryIndex,
@@ -349,6 +367,33 @@ class GRPCInferenceService(object):
             '/inference.GRPCInferenceService/ModelInfer',
             grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
             grpc__predict__v2__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/inference.GRPCInferenceService/ModelStreamInfer',
+            grpc__predict__v2__pb2.ModelInferRequest.SerializeToString,
+            grpc__predict__v2__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """The ``quantize`` step: INT8 post-training quantization that is measured to be faster.
 
-See :mod:`slimline.compress.quant` for the engine and ``docs/quantization.md`` for the user
-guide. The step prepares the graph, calibrates once (in chunks), analyses distributions and
+Its config, :class:`~.config.QuantizeConfig`, lives beside it; the rest of this package is the
+engine (:mod:`slimline.compress.quant`), and ``docs/quantization.md`` the user guide. The step prepares the graph, calibrates once (in chunks), analyses distributions and
 calibration representativeness, then either applies one setting (``mode: static|dynamic``) or
 searches (``mode: auto``), and records everything it applied in the candidate's ``meta``.
 """
@@ -16,31 +16,22 @@ from typing import Any
 
 import onnx
 
-from ..candidate import Candidate, quantizable_graph
-from ..context import StepContext
-from ..cpu import detect as detect_cpu
-from ..errors import error_text, is_user_error
-from ..records import QuantizeAlternativeRecord, QuantizeRecord, SearchRecord, TrialSummary
-from ..steps import Contract, step
-from ..task import Inputs
-from .quant.auto import (
-    Search,
-    Trial,
-    all_failed,
-    candidates,
-    clearly_smaller,
-    describe,
-    forced,
-    format_warnings,
-    layerwise_for,
-    mixed_precision,
-    search,
-)
-from .quant.calibrate import Calibration, calibrate
-from .quant.config import QuantizeConfig, QuantSpec
-from .quant.distribution import analyse, weight_stats
-from .quant.plan import resolve_plan
-from .quant.prepare import Prepared, prepare
+from ...candidate import Candidate, quantizable_graph
+from ...context import StepContext
+from ...cpu import detect as detect_cpu
+from ...errors import error_text, is_user_error
+from ...records import QuantizeAlternativeRecord, QuantizeRecord, SearchRecord, TrialSummary
+from ...steps import Contract, step
+from ...task import Inputs
+from .auto import all_failed, clearly_smaller, describe, layerwise_for, search
+from .calibrate import Calibration, calibrate
+from .candidates import candidates, forced, format_warnings
+from .config import QuantizeConfig, QuantSpec
+from .distribution import analyse, weight_stats
+from .mixed import mixed_precision
+from .plan import resolve_plan
+from .prepare import Prepared, prepare
+from .trial import Search, Trial
 
 __all__ = ["QuantizeConfig", "for_openvino", "quantize_step"]
 
@@ -189,9 +180,9 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         for n in t.notes:
             ctx.warn(f"quantize: {n}")
     ctx.alternatives.extend(_alternative(s, t, chosen, cand.name) for t in rejected)
-    if cfg.nncf:  # NNCF's ONNX backend, and its documented OpenVINO path (.nncf_ov)
-        from .nncf_ov import nncf_ov_alternative
-        from .nncf_ptq import nncf_alternative
+    if cfg.nncf:  # NNCF's ONNX backend, and its documented OpenVINO path (..nncf_ov)
+        from ..nncf_ov import nncf_ov_alternative
+        from ..nncf_ptq import nncf_alternative
 
         ctx.alternatives.append(nncf_alternative(cand, ctx, cfg.samples))
         ctx.alternatives.append(nncf_ov_alternative(cand, ctx, cfg.samples))
@@ -206,7 +197,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         measurement=_measurement(ctx, chosen),
     )
     if cfg.fallback == "qat":
-        from .qat.fallback import qat_fallback
+        from ..qat.fallback import qat_fallback
 
         return qat_fallback(cfg, cand, ctx, chosen, record, out)
     return out
