@@ -290,7 +290,7 @@ def quality_only(recipe_path: Path, run: Path, peers: Path, rows: int | None) ->
     limit = rows if rows is not None else recipe.bench.eval_limit
     base = Candidate(FP32_ORT, "peer", None, onnx=fp32)
     ref = make_reference(make_runner(base, threads, task.signature, ORT), task, limit)
-    out = []
+    out: list[dict[str, Any]] = []
     for name, path, rt in files:
         cand = Candidate(name, "peer", None, onnx=path)
         try:
