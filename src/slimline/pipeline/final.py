@@ -23,6 +23,7 @@ from ..measure.memory import peak_rss
 from ..measure.quality import Quality
 from ..recipe import BenchConfig
 from ..record import json_hash
+from ..task import Inputs
 from .measurement import file_size, measure_key_parts, param_count, quality_of, step_context
 from .state import Run, has_failed, log, stopwatch
 
@@ -66,20 +67,29 @@ def measure_all(run: Run) -> None:
         alt.measurement = {**(alt.measurement or {}), "size_bytes": file_size(alt)}
 
 
+def _final_benchmark(
+    run: Run, cands: list[Candidate], sample: Inputs, desc: str, pairs: set[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The final interleaved benchmark of ``cands`` on every runtime of the run (only ``pairs``
+    where given), timed as the run's "final benchmark" phase."""
+    with stopwatch("final benchmark", run):
+        return benchmark(
+            cands,
+            sample,
+            run.recipe.bench,
+            run.threads,
+            desc=desc,
+            signature=run.task.signature,
+            runtimes=run.runtimes,
+            pairs=pairs,
+        )
+
+
 def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
     bench: BenchConfig = run.recipe.bench
     sample = run.task.sample_inputs(max(bench.batch_sizes))
     before = _load_check(run, "before")
-    with stopwatch("final benchmark", run):
-        figures = benchmark(
-            cands,
-            sample,
-            bench,
-            run.threads,
-            desc="measure all candidates",
-            signature=run.task.signature,
-            runtimes=run.runtimes,
-        )
+    figures = _final_benchmark(run, cands, sample, "measure all candidates")
     if _baseline_drift(figures) is not None:
         # The machine changed speed mid-benchmark. Time batch 1 again with twice the rounds
         # and pool them: more pairs, so a round split across two speed modes moves the median
@@ -162,17 +172,7 @@ def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     sample = run.task.sample_inputs(max(bench.batch_sizes))
     timed = _pairs_to_time(run, cands)
     before = _load_check(run, "before")
-    with stopwatch("final benchmark", run):
-        figures = benchmark(
-            cands,
-            sample,
-            bench,
-            run.threads,
-            desc="measure all (runtime, candidate) pairs",
-            signature=run.task.signature,
-            runtimes=run.runtimes,
-            pairs=timed,
-        )
+    figures = _final_benchmark(run, cands, sample, "measure all (runtime, candidate) pairs", timed)
     after = _load_check(run, "after")
     spread = {k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f}
     _record_conditions(run, spread, before, after)
