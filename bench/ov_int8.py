@@ -41,7 +41,6 @@ from slimline.compress.nncf_ptq import NncfConfig, calibration_items, nncf_quant
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.cpu import CpuInt8, detect
 from slimline.recipe import BenchConfig, recipe_from_dict
-from slimline.task import load_task
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("ddddocr-det", "ppocr-det", "ppocr-cls", "ppocr-rec")
@@ -93,13 +92,7 @@ def recipe_doc(name: str, work: Path, runtime: str, rows: int | None) -> dict[st
 
 def context(name: str, work: Path, runtime: str, rows: int | None) -> Any:
     recipe = recipe_from_dict(recipe_doc(name, work, runtime, rows))
-    task = load_task(
-        recipe.task,
-        recipe.samples,
-        recipe.eval_samples,
-        batch_axes=recipe.batch_axes(),
-        outputs=recipe.outputs,
-    )
+    task = api.recipe_task(recipe)
     return api.context_for(task, recipe, work / f"ctx-{runtime}", timed=False, cache=work / "cache")
 
 

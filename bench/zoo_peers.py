@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from slimline.api import recipe_task
 from slimline.candidate import Candidate
 from slimline.compress.quant.calibrate import rebatch
 from slimline.compress.quant.prepare import quiet
@@ -36,7 +37,7 @@ from slimline.measure.quality import Quality, Reference, evaluate, make_referenc
 from slimline.measure.runners import make_runner
 from slimline.recipe import Recipe, load_recipe
 from slimline.runtimes import pair_name
-from slimline.task import Inputs, Task, load_task
+from slimline.task import Inputs, Task
 
 ORT, OV = "onnxruntime", "openvino"
 FP32_ORT, FP32_OV = "FP32 ONNX Runtime", "FP32 OpenVINO"
@@ -121,18 +122,6 @@ def _selected(run: Path) -> tuple[Path, Path, str, str]:
     return run / by_name["fp32-onnx"]["artifact"], run / sel["artifact"], runtime, label
 
 
-def load_run_task(recipe: Recipe) -> Task:
-    return load_task(
-        recipe.task,
-        recipe.samples,
-        recipe.eval_samples,
-        batch_axes=recipe.batch_axes(),
-        primary_output=recipe.primary_output,
-        outputs=recipe.outputs,
-        metric=recipe.metric,
-    )
-
-
 def within_budget(recipe: Recipe, task: Task, ref: Reference, q: Quality) -> tuple[bool, str]:
     """The pipeline's rule (``StepContext.within_budget``) on one quality record."""
     b = recipe.budget
@@ -152,7 +141,7 @@ def within_budget(recipe: Recipe, task: Task, ref: Reference, q: Quality) -> tup
 def measure(recipe_path: Path, run: Path, work: Path, rounds: int, runs: int) -> dict[str, Any]:
     """Every row of the yardstick for one finished ``slimline optimize`` run (module doc)."""
     recipe = load_recipe(recipe_path)
-    task = load_run_task(recipe)
+    task = recipe_task(recipe)
     fp32, pick, pick_rt, label = _selected(run)
     threads = recipe.target.threads
     samples = SAMPLES
@@ -274,7 +263,7 @@ def quality_only(recipe_path: Path, run: Path, peers: Path, rows: int | None) ->
     timing: for the emulated AVX2 lane, where only quality means anything). ``rows`` cuts the
     evaluation to its first rows."""
     recipe = load_recipe(recipe_path)
-    task = load_run_task(recipe)
+    task = recipe_task(recipe)
     fp32, pick, pick_rt, label = _selected(run)
     threads = 1
     files = [

@@ -25,12 +25,12 @@ from .config import StepConfig
 from .context import Compare, Evaluate, StepContext
 from .export import ExportConfig
 from .measure.quality import Quality
-from .pipeline import start_run, step_context
+from .pipeline import recipe_task, start_run, step_context
 from .recipe import Recipe
 from .steps import handler_for
 from .task import Task
 
-__all__ = ["context_for", "evaluate", "export", "quantize", "run_step"]
+__all__ = ["context_for", "evaluate", "export", "quantize", "recipe_task", "run_step"]
 
 
 def context_for(

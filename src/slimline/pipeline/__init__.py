@@ -28,7 +28,7 @@ the final figures; a step's ``ctx.evaluate`` and ``ctx.compare`` land there).
 from __future__ import annotations
 
 from .measurement import step_context
-from .run import run_recipe, start_run
+from .run import recipe_task, run_recipe, start_run
 from .state import Run
 
-__all__ = ["Run", "run_recipe", "start_run", "step_context"]
+__all__ = ["Run", "recipe_task", "run_recipe", "start_run", "step_context"]

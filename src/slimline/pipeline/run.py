@@ -41,15 +41,7 @@ def run_recipe(
     """Run ``recipe`` end to end; returns the finished :class:`Run` (manifest already written)."""
     from ..report.html import write_report  # late: report sections import optional modules
 
-    task = load_task(
-        recipe.task,
-        recipe.samples,
-        recipe.eval_samples,
-        batch_axes=recipe.batch_axes(),
-        primary_output=recipe.primary_output,
-        outputs=recipe.outputs,
-        metric=recipe.metric,
-    )
+    task = recipe_task(recipe)
     problem = check_order(recipe.steps, start_forms(task.is_onnx))
     if problem:  # the recipe checked the task's file name; this checks what it loaded
         raise RecipeError(f"recipe {recipe.name}: {problem}")
@@ -81,6 +73,19 @@ def run_recipe(
     write_manifest(run, "complete")
     write_report(run.out)
     return run
+
+
+def recipe_task(recipe: Recipe) -> Task:
+    """The task a recipe names, with its data, batch axes, declared outputs and metric."""
+    return load_task(
+        recipe.task,
+        recipe.samples,
+        recipe.eval_samples,
+        batch_axes=recipe.batch_axes(),
+        primary_output=recipe.primary_output,
+        outputs=recipe.outputs,
+        metric=recipe.metric,
+    )
 
 
 def _stop(run: Run, err: Exception) -> SlimlineError:
