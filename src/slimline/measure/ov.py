@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,8 +26,10 @@ from .rowwise import RowwiseRunner
 
 __all__ = [
     "OV_EXTRA",
+    "NamedCompiled",
     "OvRunner",
     "ov_compile",
+    "ov_compile_named",
     "ov_message",
     "ov_param_count",
     "ov_settings",
@@ -83,6 +85,27 @@ def ov_message(err: BaseException) -> str:
 def ov_compile(
     path: Path, threads: int, *, user_model: bool = False, profile: bool = False, streams: int = 1
 ) -> Any:
+    """:func:`ov_compile_named`'s compiled model alone."""
+    return ov_compile_named(
+        path, threads, user_model=user_model, profile=profile, streams=streams
+    ).compiled
+
+
+class NamedCompiled(NamedTuple):
+    """A compiled model and its ports' names as the file declares them (the ONNX graph's input
+    and output names, the IR's). The compiled model's ports can carry more names than the file
+    declared (OpenVINO merges an output's name with the name of the tensor it fused into it,
+    e.g. ``{'/model/Gather_4_output_0', 'probability'}``), so the names are read before
+    compiling; the ports keep their order."""
+
+    compiled: Any
+    input_names: list[str]
+    output_names: list[str]
+
+
+def ov_compile_named(
+    path: Path, threads: int, *, user_model: bool = False, profile: bool = False, streams: int = 1
+) -> NamedCompiled:
     """A CPU-compiled OpenVINO model for ``path`` (ONNX or IR), pinned to ``threads`` per
     stream, with ``streams`` streams (see :func:`ov_settings`).
 
@@ -98,9 +121,12 @@ def ov_compile(
     core = ov.Core()
     try:
         model = core.read_model(str(path))
-        return core.compile_model(
+        inputs = [_port_name(p, i, "input") for i, p in enumerate(model.inputs)]
+        outputs = [_port_name(p, i, "output") for i, p in enumerate(model.outputs)]
+        compiled = core.compile_model(
             model, "CPU", ov_settings(threads, profile=profile, streams=streams)
         )
+        return NamedCompiled(compiled, inputs, outputs)
     except Exception as err:  # OpenVINO raises RuntimeError/GeneralFailure with C++ text
         why = ov_message(err)
         if user_model:
@@ -153,11 +179,9 @@ class OvRunner(RowwiseRunner):
         user_model: bool = False,
     ) -> None:
         self.name = name
-        self.compiled = ov_compile(path, threads, user_model=user_model)
-        self.input_names = [_port_name(p, i, "input") for i, p in enumerate(self.compiled.inputs)]
-        self.output_names = [
-            _port_name(p, i, "output") for i, p in enumerate(self.compiled.outputs)
-        ]
+        self.compiled, self.input_names, self.output_names = ov_compile_named(
+            path, threads, user_model=user_model
+        )
         self.spec = {
             n: (_port_dtype(p), _port_dims(p))
             for n, p in zip(self.input_names, self.compiled.inputs, strict=True)

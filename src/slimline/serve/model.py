@@ -184,7 +184,8 @@ class OvBackend:
             raise ModelFileError(f"ONNX file {path} does not exist; check the path")
         self.compiled = ov_compile(self.path, threads, user_model=True, streams=streams)
         self.inputs, self.outputs = onnx_specs(self.path)
-        ports = {p.get_any_name(): p for p in self.compiled.outputs if p.get_names()}
+        # a compiled port can carry more names than the file declared (a fused tensor's too)
+        ports = {n: p for p in self.compiled.outputs for n in p.get_names()}
         self._ports = [ports[o.name] for o in self.outputs]
         self._local = threading.local()
 
