@@ -60,3 +60,28 @@ def test_the_server_answers_the_declared_output(tmp_path: Path) -> None:
     out = backend.run({"x": x})
     np.testing.assert_allclose(out["probability"], np.maximum(x, 0), atol=1e-6)
     np.testing.assert_allclose(out["h_out"], -x, atol=1e-6)
+
+
+def test_a_pair_that_loads_but_fails_to_run_is_rejected_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slimline.candidate import Candidate
+    from slimline.measure.latency import benchmark
+    from slimline.recipe import BenchConfig
+    from slimline.runtimes import pair_name
+
+    def broken(self: OvRunner, inputs: object) -> dict[str, np.ndarray]:
+        raise KeyError("probability")  # what a misnamed output gave before
+
+    monkeypatch.setattr(OvRunner, "call", broken)
+    cand = Candidate("m", "fp32", None, onnx=identity_output(tmp_path / "m.onnx"))
+    bench = BenchConfig(rounds=2, runs_per_round=100, warmup=1, batch_sizes=[1])
+    sample = {"x": np.ones((2, 4), np.float32)}
+    out = benchmark(
+        [cand], sample, bench, 1, throughput=False, runtimes=["onnxruntime", "openvino"]
+    )
+    why = out[pair_name("openvino", "m")]["failed"]
+    assert why.startswith("it loaded but does not run") and "probability" in why
+    assert out[pair_name("onnxruntime", "m")]["latency_ms"]["rounds"] == 2
+    with pytest.raises(KeyError):  # one runtime: nothing to compare it with, so it raises
+        benchmark([cand], sample, bench, 1, throughput=False, runtimes=["openvino"])

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..candidate import Candidate
-from ..errors import CandidateError
+from ..errors import CandidateError, error_text, is_user_error
 from ..module_guard import torch_threads
 from ..recipe import BenchConfig
 from ..runtimes import pair_name
@@ -247,16 +247,14 @@ def _benchmark(
     until: Until | None = None,
 ) -> dict[str, dict[str, Any]]:
     keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
+    one = tile_batch(sample, 1, signature)
+    keyed = _warmed_up(keyed, one, bench.warmup, failed if len(runtimes) > 1 else None)
     if not keyed:
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
-    one = tile_batch(sample, 1, signature)
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
     batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
     not_applicable = fixed_batch_note(signature, bench.batch_sizes) if throughput else {}
-    for r in runners:
-        for _ in range(bench.warmup):
-            r.run(one)
     lat: list[list[np.ndarray]] = [[] for _ in runners]
     cpu: list[list[np.ndarray]] = [[] for _ in runners]
     tput: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in runners]
@@ -289,6 +287,30 @@ def _benchmark(
             entry["throughput_not_applicable"] = not_applicable
         results[name] = entry
     return results
+
+
+def _warmed_up(
+    keyed: list[tuple[str, Runner]],
+    one: Inputs,
+    warmup: int,
+    failed: dict[str, dict[str, Any]] | None,
+) -> list[tuple[str, Runner]]:
+    """The pairs after ``warmup`` runs each. With several runtimes (``failed`` given), a pair
+    that loaded but fails to run (a runtime's own error, a missing output) gets ``{"failed":
+    why}`` and the others are measured; a user's error, or any failure with one runtime,
+    raises as before."""
+    kept: list[tuple[str, Runner]] = []
+    for key, r in keyed:
+        try:
+            for _ in range(warmup):
+                r.run(one)
+        except Exception as err:
+            if failed is None or is_user_error(err):
+                raise
+            failed[key] = {"failed": f"it loaded but does not run: {error_text(err)}"}
+            continue
+        kept.append((key, r))
+    return kept
 
 
 def throughput_round_indices(rounds: int, wanted: int) -> frozenset[int]:
