@@ -14,14 +14,16 @@ from typing import Any
 
 from ..candidate import Candidate
 from ..errors import error_text, is_user_error
-from ..measure.latency import pool_rounds, speed_verdict
+from ..measure.latency import DECISIVE_MARGIN, pool_rounds, speed_verdict
 from ..recipe import StepConfig
 from ..record import json_hash
 from .measurement import (
     compare,
     file_size,
     measure_key_parts,
+    planned_rounds,
     quality_of,
+    settled_pooled,
     settled_slower,
     step_context,
 )
@@ -97,6 +99,45 @@ def _judge(
     b = run.recipe.budget
     if b.objective == "size":
         return _judge_size(parent, cand, b.min_gain, budget_reason)
+    verdict, pair, lat, planned = _timed_verdict(run, parent, cand, runtime)
+    p, c = pair.pop("parent"), pair.pop("cand")
+    ratio = c["p50"] / p["p50"]
+    if timing is not None:
+        timing.update(_timing_record(parent.name, p, c, pair))
+    pc, cc = lat[parent.name]["cpu_ms"]["p50"], lat[cand.name]["cpu_ms"]["p50"]
+    figures = (
+        f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name}; "
+        f"CPU time {cc / pc:.2f}x; {_pair_text(pair)})"
+    )
+    if pair["rounds"] < planned:
+        figures += f"; stopped after {pair['rounds']} of {planned} rounds: " + (
+            (
+                "enough of them won for the sign test whatever the later rounds gave"
+                if planned > planned_rounds(run)
+                else f"each won by far (at most {DECISIVE_MARGIN * (1 - b.min_gain):.2f}x), "
+                "the bands apart"
+            )
+            if verdict == "faster"
+            else f"it missed the {b.min_gain:.0%} gain in more than half of them, which no "
+            "later round changes"
+        )
+    if verdict != "faster":
+        why = "slower than" if pair["ratio"] > 1.0 else "not measurably faster than"
+        return False, f"{why} {parent.name}: {figures}; {budget_reason}"
+    if b.p99_ms is not None and c["p99"] > b.p99_ms:
+        run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
+    return True, f"faster: {figures}; {budget_reason}"
+
+
+def _timed_verdict(
+    run: Run, parent: Candidate, cand: Candidate, runtime: str
+) -> tuple[str, dict[str, Any], dict[str, dict[str, Any]], int]:
+    """(verdict, pair, last benchmark's figures, rounds planned) of ``cand`` against ``parent``
+    on ``runtime``, timed interleaved; ``pair`` holds the pooled latencies under ``parent`` and
+    ``cand``. Each benchmark stops once its verdict is settled (:func:`settled_slower`,
+    :func:`settled_pooled`)."""
+    b = run.recipe.budget
+    planned = planned_rounds(run)
     lat = compare(run, [parent, cand], runtime=runtime, until=settled_slower(run, parent, cand))
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     verdict, pair = speed_verdict(p, c, b.min_gain)
@@ -109,31 +150,18 @@ def _judge(
             parent.name,
             _pair_text(pair),
         )
-        again = compare(run, [parent, cand], rounds=2 * run.recipe.bench.rounds, runtime=runtime)
-        p = pool_rounds(p, again[parent.name]["latency_ms"])
-        c = pool_rounds(c, again[cand.name]["latency_ms"])
-        lat = again
+        planned = 3 * planned
+        lat = compare(
+            run,
+            [parent, cand],
+            rounds=2 * run.recipe.bench.rounds,
+            runtime=runtime,
+            until=settled_pooled(run, parent, cand, p, c),
+        )
+        p = pool_rounds(p, lat[parent.name]["latency_ms"])
+        c = pool_rounds(c, lat[cand.name]["latency_ms"])
         verdict, pair = speed_verdict(p, c, b.min_gain)
-    ratio = c["p50"] / p["p50"]
-    if timing is not None:
-        timing.update(_timing_record(parent.name, p, c, pair))
-    pc, cc = lat[parent.name]["cpu_ms"]["p50"], lat[cand.name]["cpu_ms"]["p50"]
-    figures = (
-        f"p50 {c['p50']:.3f} ms vs {p['p50']:.3f} ms ({ratio:.2f}x of {parent.name}; "
-        f"CPU time {cc / pc:.2f}x; {_pair_text(pair)})"
-    )
-    if verdict != "faster":
-        why = "slower than" if pair["ratio"] > 1.0 else "not measurably faster than"
-        planned = run.recipe.bench.rounds
-        if pair["rounds"] < planned:
-            figures += (
-                f"; stopped after {pair['rounds']} of {planned} rounds: it missed the "
-                f"{b.min_gain:.0%} gain in more than half of them, which no later round changes"
-            )
-        return False, f"{why} {parent.name}: {figures}; {budget_reason}"
-    if b.p99_ms is not None and c["p99"] > b.p99_ms:
-        run.warnings.append(f"{cand.name}: p99 {c['p99']:.2f} ms is above the target {b.p99_ms} ms")
-    return True, f"faster: {figures}; {budget_reason}"
+    return verdict, {**pair, "parent": p, "cand": c}, lat, planned
 
 
 def _timing_record(

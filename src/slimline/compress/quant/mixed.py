@@ -14,7 +14,6 @@ from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...measure.quality import Quality
 from .impact import EMBEDDINGS, output_impact, rank_by_impact
-from .layerwise import layer_errors
 from .plan import MIXED
 from .trial import Search, Trial
 
@@ -45,15 +44,7 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     """Keep the worst nodes of ``base``'s ranking in float, bisecting over how many, until the
     budget is met (at most ``max_float_share`` of them). Returns the last probe that met it, or
     the largest probe when none did."""
-    rows = layer_errors(
-        s.prepared.path,
-        base.path,
-        base.plan.int8_nodes,
-        s.eval_inputs(),
-        s.cfg.layerwise_samples,
-        s.ctx.threads,
-        s.ctx.task.signature,
-    )
+    rows = s.layer_errors(base)
     ranking = [r["node"] for r in rows if r["sqnr_db"] is not None]
     if not ranking:
         return None
