@@ -140,7 +140,7 @@ def test_the_layerwise_table_is_measured_only_when_needed(
 
     monkeypatch.setattr(trial_mod, "layer_errors", fake_layer_errors)
     s = _search(tmp_path, {}, {})
-    s.prepared = type("P", (), {"path": tmp_path / "p.onnx"})()  # type: ignore[assignment]
+    s.prepared = type("P", (), {"path": tmp_path / "p.onnx"})()
     t = _trial(tmp_path, "minmax")
     t.budget_ok, t.budget_reason = budget_ok, "cosine 0.9 < budget 0.99"
     if cached:
