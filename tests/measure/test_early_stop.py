@@ -226,3 +226,27 @@ def test_a_decisive_win_stops_early_and_a_close_one_does_not() -> None:
     overlap = [4.6, 4.8, 10.5]
     assert not decisively_faster(parent[:3], overlap, 5, 0.03)
     assert not decisively_faster(parent, [4.6] * 5, 5, 0.03)  # the last round: nothing to skip
+
+
+def test_a_pair_that_cannot_be_the_pick_leaves_the_final_benchmark() -> None:
+    """The final benchmark's rule: a pair leaves once its median cannot fall below a contender's
+    (eligible, within budget) whatever the later rounds give; never the pick, and never while
+    the race is close."""
+    from slimline.pipeline.final import out_of_the_race
+
+    stopped: dict[str, str] = {}
+    retire = out_of_the_race({"openvino:int8", "onnxruntime:fp32-onnx"}, 5, stopped)
+    p50s = {
+        "onnxruntime:fp32-onnx": [10.0, 10.3, 9.9],
+        "openvino:fp32-onnx": [6.6, 6.9, 6.4],  # not a contender (say over budget), but slower
+        "openvino:int8": [3.6, 3.8, 3.5],
+        "onnxruntime:int8-over-budget": [3.0, 3.1, 2.9],  # faster, but cannot be the pick
+    }
+    out = set(retire(p50s))
+    assert out == {"onnxruntime:fp32-onnx", "openvino:fp32-onnx"}
+    assert stopped["openvino:fp32-onnx"].startswith("timed 3 of 5 rounds")
+    assert "openvino:int8" in stopped["openvino:fp32-onnx"]
+    # two rounds in: the bounds still overlap (the later rounds could reorder them)
+    assert retire({k: v[:2] for k, v in p50s.items() if k not in stopped}) == []
+    close = out_of_the_race({"a", "b"}, 5, {})
+    assert close({"a": [3.6, 3.8, 3.5], "b": [3.7, 3.5, 3.6]}) == []
