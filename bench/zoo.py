@@ -310,8 +310,7 @@ def run_optimize(
 
 @contextmanager
 def timing_lock(path: Path | None) -> Iterator[None]:
-    """Hold ``path`` (an flock) for one model's run, so that timings on a shared machine do not
-    overlap with another's; the lock is taken per model, never for the whole zoo."""
+    """Hold ``path`` (an flock) for one model's run: per model, never for the whole zoo."""
     if path is None:
         yield
         return
@@ -319,10 +318,7 @@ def timing_lock(path: Path | None) -> Iterator[None]:
 
     with open(path, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock, an exception included
 
 
 def run_model(
