@@ -138,9 +138,15 @@ def _timed_verdict(
     :func:`settled_pooled`)."""
     b = run.recipe.budget
     planned = planned_rounds(run)
-    lat = compare(run, [parent, cand], runtime=runtime, until=settled_slower(run, parent, cand))
+    reused = _search_rounds(run, parent, cand, runtime)
+    if reused is not None:
+        lat = reused
+    else:
+        until = settled_slower(run, parent, cand)
+        lat = compare(run, [parent, cand], runtime=runtime, until=until)
     p, c = lat[parent.name]["latency_ms"], lat[cand.name]["latency_ms"]
     verdict, pair = speed_verdict(p, c, b.min_gain)
+    pair["reused"] = reused is not None
     if verdict == "inconclusive":
         # Enough gain at the median, but the rounds disagree: a drifting machine, not an answer.
         # Measure again with twice the rounds and decide on all of them, paired by round.
@@ -164,6 +170,33 @@ def _timed_verdict(
     return verdict, {**pair, "parent": p, "cand": c}, lat, planned
 
 
+def _search_rounds(
+    run: Run, parent: Candidate, cand: Candidate, runtime: str
+) -> dict[str, dict[str, Any]] | None:
+    """The step's own interleaved rounds of ``cand`` against ``parent``, where they are this
+    verdict's comparison: the quantize search timed its pick against the FP32 baseline on the
+    run's first runtime, every planned round, with the same bench settings (part of the step's
+    key). Paired by round like a fresh comparison, so the verdict reads them instead of timing
+    the pair again; None where they are not the same comparison."""
+    prior = (cand.measurement or {}).get("timed_with_baseline")
+    lat = (cand.measurement or {}).get("latency_ms")
+    if not prior or not lat or runtime != run.runtimes[0]:
+        return None
+    if parent.name != prior.get("against") or parent.name != run.baseline.name:
+        return None
+    base = prior["baseline_latency_ms"]
+    planned = planned_rounds(run)
+    if (
+        len(lat.get("per_round_p50", [])) != planned
+        or len(base.get("per_round_p50", [])) != planned
+    ):
+        return None
+    return {
+        parent.name: {"latency_ms": base, "cpu_ms": {"p50": prior["baseline_cpu_p50_ms"]}},
+        cand.name: {"latency_ms": lat, "cpu_ms": {"p50": prior["cpu_p50_ms"]}},
+    }
+
+
 def _timing_record(
     parent: str, p: dict[str, Any], c: dict[str, Any], pair: dict[str, Any]
 ) -> dict[str, Any]:
@@ -180,8 +213,9 @@ def _timing_record(
 
 
 def _pair_text(pair: dict[str, Any]) -> str:
+    where = " (the quantize search's rounds)" if pair.get("reused") else ""
     return (
-        f"faster in {pair['faster_rounds']} of {pair['rounds']} interleaved rounds, "
+        f"faster in {pair['faster_rounds']} of {pair['rounds']} interleaved rounds{where}, "
         f"median per-round ratio {pair['ratio']:.2f}, sign test p={pair['p_value']:.3f}"
     )
 

@@ -65,6 +65,7 @@ class Trial:
     failure: str | None = None  # why this trial could not be built, checked, evaluated or timed
     screened: str | None = None  # rejected on a subset of the rows: the rows, and why
     timing_stopped: str | None = None  # left out of later timing rounds: the rounds, and why
+    cpu_p50: tuple[float, float] | None = None  # CPU ms per run, the trial's and FP32's
 
     @property
     def name(self) -> str:
@@ -231,6 +232,9 @@ class Search:
         figures = self.ctx.compare_retiring([base, *[self.candidate(t) for t in trials]], retire)
         for t in trials:
             t.latency, t.fp32 = figures[t.name]["latency_ms"], figures[base.name]["latency_ms"]
+            cpu, fp32_cpu = figures[t.name].get("cpu_ms"), figures[base.name].get("cpu_ms")
+            if cpu and fp32_cpu:
+                t.cpu_p50 = (float(cpu["p50"]), float(fp32_cpu["p50"]))
             ran = int(t.latency.get("rounds", rounds))
             if ran < rounds:
                 t.timing_stopped = (
