@@ -98,7 +98,8 @@ def out_of_the_race(contenders: set[str], rounds: int, stopped: dict[str, str]) 
     below a contender's (an eligible pair within budget) whatever the later rounds give: the
     pair's remaining rounds instant, the contender's endless. The pick is the contender with the
     lowest median, so such a pair is not the pick, and stopping it changes no pick; its figures
-    cover the rounds it ran. ``stopped`` receives why, per pair."""
+    cover the rounds it ran. The pick itself never leaves; when it is the last pair left, the
+    benchmark ends. ``stopped`` receives why, per pair."""
 
     def retire(p50s: dict[str, list[float]]) -> list[str]:
         out = []
