@@ -10,9 +10,10 @@ again).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
-from ..candidate import Candidate
+from ..candidate import Candidate, is_ir
 from ..errors import error_text, is_user_error
 from ..measure.latency import DECISIVE_MARGIN, pool_rounds, speed_verdict
 from ..recipe import StepConfig
@@ -99,6 +100,9 @@ def _judge(
     b = run.recipe.budget
     if b.objective == "size":
         return _judge_size(parent, cand, b.min_gain, budget_reason)
+    same = _same_executed_graph(run, parent, cand, runtime)
+    if same is not None:
+        return False, f"not measurably faster than {parent.name}: {same}; {budget_reason}"
     verdict, pair, lat, planned = _timed_verdict(run, parent, cand, runtime)
     p, c = pair.pop("parent"), pair.pop("cand")
     ratio = c["p50"] / p["p50"]
@@ -168,6 +172,78 @@ def _timed_verdict(
         c = pool_rounds(c, lat[cand.name]["latency_ms"])
         verdict, pair = speed_verdict(p, c, b.min_gain)
     return verdict, {**pair, "parent": p, "cand": c}, lat, planned
+
+
+def _same_executed_graph(run: Run, parent: Candidate, cand: Candidate, runtime: str) -> str | None:
+    """Why timing a graph step's output against its parent on ONNX Runtime is pointless, or
+    None: ONNX Runtime applies the graph step's optimizations itself at load time, and when the
+    two optimized graphs it runs are the same (every node with its attributes and producers,
+    every weight bit for bit), nothing can be faster. Measured on the runtime's own saved graphs,
+    not assumed; a failure to compare times the pair as usual."""
+    if runtime != "onnxruntime" or cand.step != "graph" or cand.onnx is None or parent.onnx is None:
+        return None
+    if is_ir(cand.onnx) or is_ir(parent.onnx):
+        return None
+    try:
+        a = executed_graph(parent.onnx, run.threads)
+        b = executed_graph(cand.onnx, run.threads)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        log.info("step %s: executed graphs not compared: %s", cand.name, error_text(err))
+        return None
+    if a != b:
+        return None
+    nodes = sum(a[0].values())
+    return (
+        f"ONNX Runtime runs the same graph for both after its load-time optimization ({nodes} "
+        "nodes, identical weights), so it was not timed"
+    )
+
+
+def executed_graph(path: Any, threads: int) -> tuple[Counter[Any], Counter[Any]]:
+    """What ONNX Runtime runs for the model at ``path``: its load-time optimized graph as a
+    multiset of nodes (type, domain, attributes, and what feeds each input: a weight's hash, a
+    graph input, or a producer's type and output index) and a multiset of weights."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+    from onnx import numpy_helper
+
+    from ..measure.runners import ort_session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "optimized.onnx"
+        ort_session(Path(path), threads, optimized_out=out)
+        model = onnx.load(str(out))
+    g = model.graph
+    weights = {
+        i.name: (
+            tuple(i.dims),
+            i.data_type,
+            hashlib.sha1(numpy_helper.to_array(i).tobytes()).hexdigest(),
+        )
+        for i in g.initializer
+    }
+    made = {o: (n.op_type, k) for n in g.node for k, o in enumerate(n.output)}
+
+    def fed_by(name: str) -> Any:
+        if name in weights:
+            return ("weight", weights[name])
+        return ("node", made[name]) if name in made else ("input", name)
+
+    nodes = Counter(
+        (
+            n.op_type,
+            n.domain,
+            tuple(sorted(a.SerializeToString() for a in n.attribute)),
+            tuple(fed_by(i) for i in n.input),
+        )
+        for n in g.node
+    )
+    return nodes, Counter(weights.values())
 
 
 def _search_rounds(
