@@ -14,7 +14,7 @@ import pytest
 from slimline.candidate import Candidate
 from slimline.compress.quant import auto
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
-from slimline.compress.quant.plan import PrecisionPlan
+from slimline.compress.quant.plan import MIXED, PrecisionPlan
 from slimline.compress.quant.trial import Search, Trial
 from slimline.context import StepContext
 from slimline.measure.latency import summarize_latency
@@ -151,3 +151,29 @@ def test_the_layerwise_table_is_measured_only_when_needed(
     assert bool(rows) == (budget_ok or cached)
     if not rows:
         assert s.layerwise_skipped is not None and "over budget" in s.layerwise_skipped
+
+
+@pytest.mark.parametrize("probe_ok", [True, False])
+def test_mixed_precision_times_its_result_only_within_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe_ok: bool
+) -> None:
+    from slimline.compress.quant import mixed
+
+    base = _trial(tmp_path, "minmax")
+    per_round = {"fp32-onnx": [10.0] * 5, base.name: [5.0] * 5}
+    plan = base.plan.with_float(["n1", "n2"], MIXED)
+    probe = Trial(base.spec, plan, tmp_path / "mixed.onnx")
+    assert probe.name.endswith("-mixed2")
+    probe.budget_ok, probe.budget_reason = probe_ok, "agreement 0.90 < budget 0.99"
+    per_round[probe.name] = [6.0] * 5
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [base]
+    s.measure([base])
+    seen.clear()
+    monkeypatch.setattr(mixed, "mixed_precision", lambda s_, t: probe)
+    assert mixed.mixed_from_fastest(s) is probe
+    assert (probe.name in seen) == probe_ok  # timed against FP32 only when it can be chosen
+    if not probe_ok:
+        assert s.mixed_trace[-1]["not_timed"].endswith("agreement 0.90 < budget 0.99")
+        assert "not timed (mixed precision's probe missed it)" in s.reason(probe)

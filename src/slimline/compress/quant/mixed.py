@@ -35,8 +35,10 @@ def mixed_from_fastest(s: Search) -> Trial | None:
             raise
         s.mixed_trace.append({"skipped": f"layer-wise error failed: {error_text(err)}"})
         return None
-    if best is not None:
+    if best is not None and best.budget_ok:
         s.measure([best])
+    elif best is not None:  # over budget: it cannot be chosen for speed, so it is not timed
+        s.mixed_trace.append({"not_timed": f"{best.name} is over budget: {best.budget_reason}"})
     return best
 
 

@@ -274,7 +274,12 @@ class Search:
         if trial.failure is not None:
             return f"failed: {trial.failure}"
         if trial.latency is None or trial.fp32 is None:
-            return f"over budget: {trial.budget_reason}; not timed (a candidate within budget was)"
+            why = (
+                "mixed precision's probe missed it"
+                if trial.plan.tag.startswith("-mixed")
+                else ("a candidate within budget was")
+            )
+            return f"over budget: {trial.budget_reason}; not timed ({why})"
         speed = (
             f"{self.ratio(trial):.2f}x FP32 latency (p50 {trial.p50():.2f} ms vs "
             f"{trial.fp32['p50']:.2f} ms)"
