@@ -9,6 +9,7 @@ its latency as a multiple of FP32 ONNX Runtime's, fidelity and size), or why eac
 alternative was rejected, and the wall time.
 
     nice -n 5 .venv/bin/python bench/zoo.py --out bench/RESULTS-zoo.md
+    .venv/bin/python bench/zoo.py --lock /tmp/slimline-timing.lock ...   # the lock per model
     .venv/bin/python bench/zoo.py --only silero-vad ppocr-cls --quick
     .venv/bin/python bench/zoo.py --quick          # the test suite's models
 
@@ -33,7 +34,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -306,6 +308,19 @@ def run_optimize(
     return rc, time.perf_counter() - t0
 
 
+@contextmanager
+def timing_lock(path: Path | None) -> Iterator[None]:
+    """Hold ``path`` (an flock) for one model's run: per model, never for the whole zoo."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, an exception included
+
+
 def run_model(
     m: ZooModel, work: Path, quick: bool, limit_s: float, peers: bool = False
 ) -> dict[str, Any]:
@@ -469,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-peers", action="store_true", help="skip the yardstick (bench/zoo_peers.py)"
     )
     ap.add_argument(
+        "--lock",
+        type=Path,
+        help="hold this lock file (flock) while each model runs, one model at a time, e.g. "
+        "/tmp/slimline-timing.lock where several people time on one machine",
+    )
+    ap.add_argument(
         "--main-job",
         action="store_true",
         help="also time the README's main job, `slimline optimize minilm --runtime auto`",
@@ -498,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in models:
         print(f"zoo: {m.name} ...", file=sys.stderr, flush=True)
         peers = not (args.quick or args.no_peers)
-        results.append(run_model(m, args.work / m.name, args.quick, args.limit, peers))
+        with timing_lock(args.lock):
+            results.append(run_model(m, args.work / m.name, args.quick, args.limit, peers))
         print(
             f"zoo: {m.name}: exit {results[-1]['exit']}, {results[-1]['wall_s']} s", file=sys.stderr
         )

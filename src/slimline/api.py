@@ -58,8 +58,9 @@ def context_for(
         ctx.evaluate_fn = evaluate
     if compare is not None:
         ctx.compare_fn = compare
+        ctx.compare_retiring_fn = None  # the caller's benchmark times every round
     if not timed:
-        ctx.compare_fn = None
+        ctx.compare_fn = ctx.compare_retiring_fn = None
     return ctx
 
 

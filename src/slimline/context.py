@@ -26,7 +26,14 @@ from .task import Task
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
 
-__all__ = ["Compare", "Evaluate", "EvaluateRows", "StepContext", "step_key_parts"]
+__all__ = [
+    "Compare",
+    "CompareRetiring",
+    "Evaluate",
+    "EvaluateRows",
+    "StepContext",
+    "step_key_parts",
+]
 
 # Task metric and fidelity of a candidate against the FP32 reference outputs.
 Evaluate = Callable[[Candidate], "Quality"]
@@ -34,6 +41,11 @@ Evaluate = Callable[[Candidate], "Quality"]
 EvaluateRows = Callable[[Candidate, int], "Quality | None"]
 # Latency of candidates timed interleaved, keyed by name (see StepContext.compare).
 Compare = Callable[[list[Candidate]], dict[str, dict[str, Any]]]
+# The same, leaving out of later rounds the names the callback returns after each round (their
+# verdict is settled; see slimline.measure.latency.Retire).
+CompareRetiring = Callable[
+    [list[Candidate], Callable[[dict[str, list[float]]], Any]], dict[str, dict[str, Any]]
+]
 
 
 def step_key_parts(
@@ -80,6 +92,7 @@ class StepContext:
     evaluate_fn: Evaluate | None = None
     compare_fn: Compare | None = None
     evaluate_rows_fn: EvaluateRows | None = None
+    compare_retiring_fn: CompareRetiring | None = None
 
     @property
     def threads(self) -> int:
@@ -120,6 +133,16 @@ class StepContext:
         """
         assert self.compare_fn is not None, "this StepContext was built without compare_fn"
         return self.compare_fn(cands)
+
+    def compare_retiring(
+        self, cands: list[Candidate], retire: Callable[[dict[str, list[float]]], Any]
+    ) -> dict[str, dict[str, Any]]:
+        """:meth:`compare`, leaving out of later rounds the names ``retire`` returns after each
+        round (given the per-round p50s so far); a context without ``compare_retiring_fn``
+        times every candidate in every round."""
+        if self.compare_retiring_fn is None:
+            return self.compare(cands)
+        return self.compare_retiring_fn(cands, retire)
 
     def within_budget(self, quality: Quality) -> tuple[bool, str]:
         """(ok, reason) for ``quality`` against the recipe's budget and the FP32 metric: the

@@ -40,6 +40,7 @@ class TrialSummary(TypedDict):
     metric: float | None
     failure: str | None
     screened: str | None  # over budget on this subset of the rows, not evaluated on the rest
+    timing_stopped: str | None  # timed on fewer rounds: it could no longer be faster than FP32
     size_bytes: int | None
 
 

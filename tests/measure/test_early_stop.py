@@ -116,3 +116,137 @@ def test_throughput_is_measured_in_its_rounds_only(
     assert set(out["a"]["throughput"]) == {"1", "4"}
     assert all(v > 0 for v in out["a"]["throughput"].values())
     assert sorted(calls) == [1, 1, 4, 4]  # 2 rounds x 2 batch sizes, not 5 x 2
+
+
+@pytest.mark.parametrize("rounds", [5, 10, 15])
+def test_a_settled_verdict_is_the_one_all_rounds_give(rounds: int) -> None:
+    """settled_verdict in either direction: whatever the remaining rounds give (worst and best
+    case both), speed_verdict over all of them says the same."""
+    from slimline.measure.latency import settled_verdict
+
+    rng = np.random.default_rng(rounds)
+    gain, stops = 0.03, {"faster": 0, "not faster": 0}
+    for _ in range(300):
+        parent = list(rng.uniform(9.0, 11.0, rounds))
+        cand = list(parent * rng.uniform(0.7, 1.15, rounds))
+        for done in range(1, rounds):
+            said = settled_verdict(parent[:done], cand[:done], rounds, gain)
+            if said is None:
+                continue
+            stops[said] += 1
+            for rest in (10.0, 0.1):  # the later rounds all far slower, then all far faster
+                full = cand[:done] + [p * rest for p in parent[done:]]
+                assert speed_verdict(_lat(parent), _lat(full), gain)[0] == said
+                # and the verdict on the rounds run so far, which a stopped benchmark reports
+                assert speed_verdict(_lat(parent[:done]), _lat(cand[:done]), gain)[0] == said
+            break
+    assert stops["not faster"] > 10
+    assert stops["faster"] > 10 or rounds < 6  # 5 rounds: the sign test needs all 5 to win
+
+
+def test_a_close_race_is_not_settled() -> None:
+    from slimline.measure.latency import settled_verdict
+
+    parent = [10.0] * 10
+    cand = [9.0, 11.0] * 5  # half the rounds faster, half slower: no early answer
+    assert all(settled_verdict(parent[:k], cand[:k], 15, 0.03) is None for k in range(1, 11))
+
+
+@pytest.mark.parametrize("rounds", [3, 4, 5, 6])
+def test_a_median_that_cannot_win_stays_lost(rounds: int) -> None:
+    """median_cannot_win: whatever the later rounds give (the candidate's instant, FP32's
+    endless), the candidate's median over all rounds, or over the rounds it ran, misses the
+    gain against FP32's median over all rounds."""
+    from slimline.measure.latency import median_cannot_win
+
+    rng = np.random.default_rng(rounds)
+    gain, stops = 0.03, 0
+    for _ in range(400):
+        base = list(rng.uniform(9.0, 11.0, rounds))
+        cand = list(base * rng.uniform(0.9, 1.5, rounds))
+        for done in range(1, rounds):
+            if not median_cannot_win(base[:done], cand[:done], rounds, gain):
+                continue
+            stops += 1
+            for later_base in (base[done:], [b * 50 for b in base[done:]]):
+                full_base = base[:done] + later_base
+                best = cand[:done] + [0.001] * (rounds - done)
+                for c in (best, cand[:done]):
+                    assert np.median(c) >= (1 - gain) * np.median(full_base)
+            break
+    assert stops > 50
+
+
+def test_a_median_within_reach_is_timed_on() -> None:
+    from slimline.measure.latency import median_cannot_win
+
+    assert not median_cannot_win([10.0, 10.0], [10.5, 10.5], 5, 0.03)  # 3 rounds could win
+    assert median_cannot_win([10.0, 10.0, 10.0], [12.0, 12.0, 12.0], 5, 0.03)
+    assert not median_cannot_win([10.0] * 5, [12.0] * 5, 5, 0.03)  # all rounds run: no stop
+
+
+def test_a_retired_candidate_is_left_out_of_later_rounds(tmp_path: Path) -> None:
+    cands = [
+        Candidate(name, "fp32", None, onnx=_identity_model(tmp_path / f"{name}.onnx"))
+        for name in ("a", "b", "c")
+    ]
+    bench = BenchConfig(
+        rounds=5, runs_per_round=40, warmup=1, batch_sizes=[1, 4], throughput_min_seconds=0.001
+    )
+
+    def retire(p50s: dict[str, list[float]]) -> list[str]:
+        return ["b"] if len(p50s["a"]) >= 2 else []
+
+    out = benchmark(cands, {"x": np.ones((4, 4), np.float32)}, bench, 1, retire=retire)
+    assert out["a"]["latency_ms"]["rounds"] == out["c"]["latency_ms"]["rounds"] == 5
+    assert out["b"]["latency_ms"]["rounds"] == 2
+    assert len(out["b"]["latency_samples_ms"]) == 80
+
+    def all_but_a(p50s: dict[str, list[float]]) -> list[str]:
+        return ["b", "c"]
+
+    out = benchmark(cands, {"x": np.ones((4, 4), np.float32)}, bench, 1, retire=all_but_a)
+    assert {n: out[n]["latency_ms"]["rounds"] for n in "abc"} == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_decisive_win_stops_early_and_a_close_one_does_not() -> None:
+    from slimline.measure.latency import DECISIVE_ROUNDS, decisively_faster
+
+    parent = [10.0, 10.4, 9.8, 10.1, 10.0]
+    far = [4.6, 4.8, 4.5]  # 0.46x in every round, bands apart
+    assert decisively_faster(parent[:3], far, 5, 0.03)
+    assert not decisively_faster(parent[:2], far[:2], 5, 0.03)  # too few rounds yet
+    assert DECISIVE_ROUNDS == 3
+    # the rounds run give "faster" on their own (bands apart), as all rounds would here
+    assert speed_verdict(_lat(parent[:3]), _lat(far), 0.03)[0] == "faster"
+    close = [8.9, 9.0, 8.8]  # 0.89x: faster, but near the threshold: every round is run
+    assert not decisively_faster(parent[:3], close, 5, 0.03)
+    one_close = [4.6, 8.5, 4.5]  # one round near the threshold
+    assert not decisively_faster(parent[:3], one_close, 5, 0.03)
+    overlap = [4.6, 4.8, 10.5]
+    assert not decisively_faster(parent[:3], overlap, 5, 0.03)
+    assert not decisively_faster(parent, [4.6] * 5, 5, 0.03)  # the last round: nothing to skip
+
+
+def test_a_pair_that_cannot_be_the_pick_leaves_the_final_benchmark() -> None:
+    """The final benchmark's rule: a pair leaves once its median cannot fall below a contender's
+    (eligible, within budget) whatever the later rounds give; never the pick, and never while
+    the race is close."""
+    from slimline.pipeline.final import out_of_the_race
+
+    stopped: dict[str, str] = {}
+    retire = out_of_the_race({"openvino:int8", "onnxruntime:fp32-onnx"}, 5, stopped)
+    p50s = {
+        "onnxruntime:fp32-onnx": [10.0, 10.3, 9.9],
+        "openvino:fp32-onnx": [6.6, 6.9, 6.4],  # not a contender (say over budget), but slower
+        "openvino:int8": [3.6, 3.8, 3.5],
+        "onnxruntime:int8-over-budget": [3.0, 3.1, 2.9],  # faster, but cannot be the pick
+    }
+    out = set(retire(p50s))
+    assert out == {"onnxruntime:fp32-onnx", "openvino:fp32-onnx"}
+    assert stopped["openvino:fp32-onnx"].startswith("timed 3 of 5 rounds")
+    assert "openvino:int8" in stopped["openvino:fp32-onnx"]
+    # two rounds in: the bounds still overlap (the later rounds could reorder them)
+    assert retire({k: v[:2] for k, v in p50s.items() if k not in stopped}) == []
+    close = out_of_the_race({"a", "b"}, 5, {})
+    assert close({"a": [3.6, 3.8, 3.5], "b": [3.7, 3.5, 3.6]}) == []

@@ -25,14 +25,20 @@ from ..task import Inputs
 from .runners import Runner, make_runner
 
 __all__ = [
+    "DECISIVE_MARGIN",
+    "DECISIVE_ROUNDS",
     "SIGN_TEST_ALPHA",
+    "Retire",
     "Until",
     "benchmark",
     "cannot_be_faster",
+    "decisively_faster",
     "fixed_batch_note",
+    "median_cannot_win",
     "paired_speedup",
     "pool_rounds",
     "round_drift",
+    "settled_verdict",
     "speed_verdict",
     "summarize_latency",
     "tile_batch",
@@ -46,6 +52,10 @@ _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 
 # After each round: the per-round p50s so far, by name; True stops the benchmark there.
 Until = Callable[[dict[str, list[float]]], bool]
+
+# After each round: the per-round p50s so far, by name; the names that need no more rounds
+# (their verdict is settled). They are left out of later rounds; when one name is left, it stops.
+Retire = Callable[[dict[str, list[float]]], Collection[str]]
 
 # One model's p50 moving by more than this between rounds of one benchmark is the machine, not
 # the model: seen on a 2-core VM whose batch-1 speed switches between modes 1.55x apart.
@@ -138,6 +148,74 @@ def cannot_be_faster(
     return misses > rounds // 2
 
 
+def settled_verdict(
+    parent_rounds: Sequence[float],
+    cand_rounds: Sequence[float],
+    rounds: int,
+    min_gain: float,
+    alpha: float = SIGN_TEST_ALPHA,
+) -> str | None:
+    """The verdict :func:`speed_verdict` must give over ``rounds`` paired rounds whatever the
+    rounds not yet run give, or None while it can still go either way. ``not faster``: more than
+    half of the ``rounds`` per-round ratios already miss the gain (:func:`cannot_be_faster`).
+    ``faster``: more than half already reach it (so the median does), and the rounds already
+    faster pass the sign test even if every round still to run were slower. Stopping on either
+    changes no verdict; the figures then cover the rounds run."""
+    if cannot_be_faster(parent_rounds, cand_rounds, rounds, min_gain):
+        return "not faster"
+    ratios = [c / p for p, c in zip(parent_rounds, cand_rounds, strict=True)]
+    hits = sum(r <= 1.0 - min_gain for r in ratios)
+    faster = sum(r < 1.0 for r in ratios)
+    if hits > rounds // 2 and len(ratios) < rounds:
+        from scipy.stats import binomtest
+
+        if float(binomtest(faster, rounds, 0.5, alternative="greater").pvalue) <= alpha:
+            return "faster"
+    return None
+
+
+# A comparison may stop as "faster" before its last round when, after at least this many
+# rounds, every round's ratio is below this share of the gain threshold and the bands already
+# sit apart: a candidate at 0.46x in each round needs no fourth one to be called faster. A
+# close race (any round near the threshold) runs every round.
+DECISIVE_ROUNDS = 3
+DECISIVE_MARGIN = 0.8
+
+
+def decisively_faster(
+    parent_rounds: Sequence[float], cand_rounds: Sequence[float], rounds: int, min_gain: float
+) -> bool:
+    """Whether a comparison can stop as ``faster`` before its last round: at least
+    :data:`DECISIVE_ROUNDS` rounds run, each with the candidate at most :data:`DECISIVE_MARGIN`
+    times ``1 - min_gain`` of the parent, and the candidate's slowest round faster than the
+    parent's fastest. :func:`speed_verdict` on the rounds run then says ``faster`` (the bands are
+    apart); unlike :func:`settled_verdict` this does not cover what later rounds could have
+    shown, so it is kept to wins far beyond the threshold."""
+    k = len(cand_rounds)
+    if k < DECISIVE_ROUNDS or k >= rounds or len(parent_rounds) != k:
+        return False
+    limit = DECISIVE_MARGIN * (1.0 - min_gain)
+    ratios = [c / p for p, c in zip(parent_rounds, cand_rounds, strict=True)]
+    return max(ratios) <= limit and max(cand_rounds) < min(parent_rounds)
+
+
+def median_cannot_win(
+    base_rounds: Sequence[float], cand_rounds: Sequence[float], rounds: int, min_gain: float
+) -> bool:
+    """Whether the median of ``cand_rounds`` must stay at or above ``1 - min_gain`` times the
+    median of ``base_rounds`` once both have ``rounds`` rounds, whatever the rounds still to run
+    give: even if the candidate's were all instant and the base's endless. The unpaired test of a
+    quantize search's candidate against FP32 (its median wins by ``min_gain``) then fails; a
+    candidate stopped here has a median over fewer rounds that is no lower than that bound, so
+    the test still fails on it."""
+    k, m = len(cand_rounds), len(base_rounds)
+    if k == 0 or k >= rounds or m < k:
+        return False
+    low = float(np.median([*cand_rounds, *([0.0] * (rounds - k))]))
+    high = float(np.median([*base_rounds, *([np.inf] * max(0, rounds - m))]))
+    return bool(np.isfinite(high) and low >= (1.0 - min_gain) * high)
+
+
 def round_drift(lat: dict[str, Any]) -> float | None:
     """How far one candidate's per-round p50 moved within a benchmark: slowest / fastest round.
 
@@ -216,6 +294,7 @@ def benchmark(
     runtimes: Sequence[str] = ("onnxruntime",),
     pairs: Collection[str] | None = None,
     until: Until | None = None,
+    retire: Retire | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
     interleaved.
@@ -225,12 +304,22 @@ def benchmark(
     :func:`~slimline.runtimes.pair_name`; a pair that runtime cannot load gets ``{"failed":
     message}`` and the other pairs are measured. ``pairs`` (pair names) limits a benchmark on
     several runtimes to those pairs. ``until`` may stop it after a whole round (every result then
-    has the rounds run so far)."""
+    has the rounds run so far); ``retire`` may leave some out of the later rounds (each result's
+    ``latency_ms.rounds`` says how many it ran)."""
     torch_runs = any(c.onnx is None for c in cands)
     # pinned once for the whole benchmark, so that a torch runner changes nothing per call
     with torch_threads(threads) if torch_runs else nullcontext():
         return _benchmark(
-            cands, sample, bench, threads, throughput, desc, signature, runtimes, pairs, until
+            cands,
+            sample,
+            bench,
+            threads,
+            throughput,
+            desc,
+            signature,
+            runtimes,
+            pairs,
+            (until, retire),
         )
 
 
@@ -244,8 +333,9 @@ def _benchmark(
     signature: Signature | None,
     runtimes: Sequence[str] = ("onnxruntime",),
     pairs: Collection[str] | None = None,
-    until: Until | None = None,
+    stops: tuple[Until | None, Retire | None] = (None, None),
 ) -> dict[str, dict[str, Any]]:
+    until, retire = stops
     keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
     one = tile_batch(sample, 1, signature)
     keyed = _warmed_up(keyed, one, bench.warmup, failed if len(runtimes) > 1 else None)
@@ -260,10 +350,13 @@ def _benchmark(
     tput: list[dict[int, list[float]]] = [{b: [] for b in batches} for _ in runners]
     tput_rounds = throughput_round_indices(bench.rounds, bench.throughput_rounds)
     steps = bench.rounds * len(runners)
+    active = set(range(len(runners)))
     with tqdm(total=steps, desc=desc, unit="run-set", leave=False, disable=None) as bar:
         for rnd in range(bench.rounds):
             for j in range(len(runners)):
                 i = (j + rnd) % len(runners)
+                if i not in active:
+                    continue
                 wall, used = _time_runs(runners[i], one, bench.runs_per_round)
                 lat[i].append(wall)
                 cpu[i].append(used)
@@ -273,6 +366,11 @@ def _benchmark(
                 bar.update(1)
             if until is not None and until(_round_p50s(names, lat)):
                 break
+            if retire is not None:
+                done = set(retire(_round_p50s(names, lat)))
+                active -= {i for i, n in enumerate(names) if n in done}
+                if len(active) <= 1:
+                    break
     results: dict[str, dict[str, Any]] = dict(failed)
     for name, rounds, cpu_rounds, tp in zip(names, lat, cpu, tput, strict=True):
         entry: dict[str, Any] = {
@@ -280,6 +378,7 @@ def _benchmark(
             "cpu_ms": _summarize_cpu(cpu_rounds),
             "latency_samples_ms": np.round(np.concatenate(rounds), 4).tolist(),
         }
+        tp = {b: v for b, v in tp.items() if v}  # a retired candidate may have none
         if tp:
             entry["throughput"] = {str(b): float(np.median(v)) for b, v in tp.items()}
             entry["throughput_band"] = {str(b): [min(v), max(v)] for b, v in tp.items()}

@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from ..candidate import Candidate, is_ir
 from ..context import StepContext
 from ..errors import error_text, is_user_error
-from ..measure.latency import DRIFT_SPREAD, benchmark, pool_rounds, round_drift
+from ..measure.latency import DRIFT_SPREAD, Retire, benchmark, pool_rounds, round_drift
 from ..measure.memory import peak_rss
 from ..measure.quality import Quality
 from ..recipe import BenchConfig
@@ -27,7 +29,7 @@ from ..task import Inputs
 from .measurement import file_size, measure_key_parts, param_count, quality_of, step_context
 from .state import Run, has_failed, log, stopwatch
 
-__all__ = ["measure_all", "profile_memory", "profile_or_warn"]
+__all__ = ["measure_all", "out_of_the_race", "profile_memory", "profile_or_warn"]
 
 BUSY_CORES = 0.5  # other work using this much CPU during a measurement makes it unreliable
 
@@ -68,7 +70,12 @@ def measure_all(run: Run) -> None:
 
 
 def _final_benchmark(
-    run: Run, cands: list[Candidate], sample: Inputs, desc: str, pairs: set[str] | None = None
+    run: Run,
+    cands: list[Candidate],
+    sample: Inputs,
+    desc: str,
+    pairs: set[str] | None = None,
+    retire: Retire | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The final interleaved benchmark of ``cands`` on every runtime of the run (only ``pairs``
     where given), timed as the run's "final benchmark" phase."""
@@ -82,7 +89,61 @@ def _final_benchmark(
             signature=run.task.signature,
             runtimes=run.runtimes,
             pairs=pairs,
+            retire=retire,
         )
+
+
+def out_of_the_race(contenders: set[str], rounds: int, stopped: dict[str, str]) -> Retire:
+    """Leaves a pair out of the final benchmark's later rounds once its median p50 cannot fall
+    below a contender's (an eligible pair within budget) whatever the later rounds give: the
+    pair's remaining rounds instant, the contender's endless. The pick is the contender with the
+    lowest median, so such a pair is not the pick, and stopping it changes no pick; its figures
+    cover the rounds it ran. The pick itself never leaves; when it is the last pair left, the
+    benchmark ends. ``stopped`` receives why, per pair."""
+
+    def retire(p50s: dict[str, list[float]]) -> list[str]:
+        out = []
+        for name, seen in p50s.items():
+            if not seen or len(seen) >= rounds or name in stopped:
+                continue
+            low = float(np.median([*seen, *([0.0] * (rounds - len(seen)))]))
+            for other in sorted(contenders - {name}):
+                theirs = p50s.get(other) or []
+                if not theirs:
+                    continue
+                high = float(np.median([*theirs, *([np.inf] * (rounds - len(theirs)))]))
+                if low > high:
+                    stopped[name] = (
+                        f"timed {len(seen)} of {rounds} rounds: its median p50 could no longer "
+                        f"fall below {other}'s"
+                    )
+                    out.append(name)
+                    break
+        return out
+
+    return retire
+
+
+def _contenders(run: Run, cands: list[Candidate], timed: set[str]) -> set[str]:
+    """The timed pairs that can be the pick: eligible (all timed pairs are) and within budget,
+    from the quality their verdicts already measured (evaluated once per file and runtime, so
+    this costs nothing the final figures would not)."""
+    from ..runtimes import pair_name
+
+    ctx = step_context(run, run.out)
+    out: set[str] = set()
+    for c in cands:
+        for rt in run.runtimes if c.onnx is not None else []:
+            key = pair_name(rt, c.name)
+            if key not in timed:
+                continue
+            try:
+                if ctx.within_budget(quality_of(run, c, rt))[0]:
+                    out.add(key)
+            except Exception as err:  # the pair fails to run: its figures say so later
+                if is_user_error(err):
+                    raise
+    return out
 
 
 def _measure_fresh(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]]:
@@ -171,11 +232,17 @@ def _measure_pairs(run: Run, cands: list[Candidate]) -> dict[str, dict[str, Any]
     bench: BenchConfig = run.recipe.bench
     sample = run.task.sample_inputs(max(bench.batch_sizes))
     timed = _pairs_to_time(run, cands)
+    stopped: dict[str, str] = {}
+    retire = out_of_the_race(_contenders(run, cands, timed), bench.rounds, stopped)
     before = _load_check(run, "before")
-    figures = _final_benchmark(run, cands, sample, "measure all (runtime, candidate) pairs", timed)
+    figures = _final_benchmark(
+        run, cands, sample, "measure all (runtime, candidate) pairs", timed, retire
+    )
     after = _load_check(run, "after")
     spread = {k: round_drift(f["latency_ms"]) for k, f in figures.items() if "latency_ms" in f}
     _record_conditions(run, spread, before, after)
+    if stopped:
+        run.extra["measurement_conditions"]["rounds_stopped"] = stopped
     rss_sample = _rss_sample(run, sample)
     ctx = step_context(run, run.out)
     out: dict[str, dict[str, Any]] = {c.name: {"runtimes": {}} for c in cands}

@@ -14,7 +14,14 @@ import numpy as np
 
 from ..candidate import Candidate, artifact_size, is_ir
 from ..context import StepContext
-from ..measure.latency import Until, benchmark, cannot_be_faster
+from ..measure.latency import (
+    Retire,
+    Until,
+    benchmark,
+    cannot_be_faster,
+    decisively_faster,
+    settled_verdict,
+)
 from ..measure.quality import Quality, evaluate
 from ..measure.runners import make_runner
 from ..record import package_versions
@@ -25,8 +32,10 @@ __all__ = [
     "file_size",
     "measure_key_parts",
     "param_count",
+    "planned_rounds",
     "quality_of",
     "quality_of_rows",
+    "settled_pooled",
     "settled_slower",
     "step_context",
 ]
@@ -52,6 +61,7 @@ def step_context(run: Run, workdir: Path) -> StepContext:
         evaluate_fn=lambda c: quality_of(run, c),
         compare_fn=lambda cs: compare(run, cs),
         evaluate_rows_fn=lambda c, rows: quality_of_rows(run, c, rows),
+        compare_retiring_fn=lambda cs, retire: compare(run, cs, retire=retire),
     )
 
 
@@ -90,6 +100,7 @@ def compare(
     rounds: int | None = None,
     runtime: str | None = None,
     until: Until | None = None,
+    retire: Retire | None = None,
 ) -> dict[str, dict[str, Any]]:
     sample = run.task.sample_inputs(1)
     bench = run.recipe.bench
@@ -103,17 +114,42 @@ def compare(
         signature=run.task.signature,
         runtimes=[runtime or run.runtimes[0]],
         until=until,
+        retire=retire,
     )
 
 
 def settled_slower(run: Run, parent: Candidate, cand: Candidate) -> Until:
     """Stops a parent-vs-candidate comparison as soon as its verdict can only be ``not faster``
     (:func:`~slimline.measure.latency.cannot_be_faster`): a clear rejection costs about half
-    the rounds, and every verdict stays what all the rounds would have given."""
+    the rounds, and every verdict stays what all the rounds would have given; or as soon as the
+    candidate wins every round by far with the bands apart
+    (:func:`~slimline.measure.latency.decisively_faster`)."""
     rounds, gain = run.recipe.bench.rounds, run.recipe.budget.min_gain
 
     def until(p50s: dict[str, list[float]]) -> bool:
-        return cannot_be_faster(p50s[parent.name], p50s[cand.name], rounds, gain)
+        p, c = p50s[parent.name], p50s[cand.name]
+        return cannot_be_faster(p, c, rounds, gain) or decisively_faster(p, c, rounds, gain)
+
+    return until
+
+
+def planned_rounds(run: Run) -> int:
+    return int(run.recipe.bench.rounds)
+
+
+def settled_pooled(
+    run: Run, parent: Candidate, cand: Candidate, first_p: dict[str, Any], first_c: dict[str, Any]
+) -> Until:
+    """Stops the second, twice-as-long comparison of an inconclusive verdict as soon as the
+    verdict over all rounds (the first comparison's and this one's, paired by round) is settled
+    either way (:func:`~slimline.measure.latency.settled_verdict`): the verdict stays what all
+    the rounds would have given; only rounds that could not change it are skipped."""
+    total, gain = 3 * planned_rounds(run), run.recipe.budget.min_gain
+    p0, c0 = list(first_p["per_round_p50"]), list(first_c["per_round_p50"])
+
+    def until(p50s: dict[str, list[float]]) -> bool:
+        p, c = [*p0, *p50s[parent.name]], [*c0, *p50s[cand.name]]
+        return settled_verdict(p, c, total, gain) is not None
 
     return until
 

@@ -10,7 +10,7 @@ from ...errors import StepError
 from ...measure.latency import speed_verdict
 from ...records import SearchRecord, TrialDescription
 from .config import QuantSpec
-from .layerwise import error_statement, layer_errors
+from .layerwise import error_statement
 from .mixed import mixed_from_fastest
 from .plan import PrecisionPlan
 from .trial import Search, Trial
@@ -157,19 +157,20 @@ def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescri
         "kernels": trial.kernels,
         "fallback_report": trial.kernels["summary"],
         "layerwise": rows,
-        "layerwise_statement": error_statement(rows) if rows else None,
+        "layerwise_statement": error_statement(rows) if rows else s.layerwise_skipped,
         "latency_ratio_vs_fp32": round(s.ratio(trial), 4) if trial.latency and trial.fp32 else None,
         "notes": trial.notes,
     }
 
 
 def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
-    return layer_errors(
-        s.prepared.path,
-        trial.path,
-        trial.plan.int8_nodes,
-        s.eval_inputs(),
-        s.cfg.layerwise_samples,
-        s.ctx.threads,
-        s.ctx.task.signature,
+    """The chosen trial's layer-wise table: mixed precision's where it ranked this same file;
+    not measured for a trial over budget in automatic mode (its step is rejected), with the
+    reason as the record's ``layerwise_statement``."""
+    if trial.path in s.layer_rows or trial.budget_ok or s.cfg.mode != "auto":
+        return s.layer_errors(trial)
+    s.layerwise_skipped = (
+        f"layer-wise error not measured: {trial.label} is over budget ({trial.budget_reason}); "
+        "the table is measured for a chosen candidate within budget"
     )
+    return []

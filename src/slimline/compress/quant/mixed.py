@@ -14,7 +14,6 @@ from ...context import StepContext
 from ...errors import error_text, is_user_error
 from ...measure.quality import Quality
 from .impact import EMBEDDINGS, output_impact, rank_by_impact
-from .layerwise import layer_errors
 from .plan import MIXED
 from .trial import Search, Trial
 
@@ -36,8 +35,10 @@ def mixed_from_fastest(s: Search) -> Trial | None:
             raise
         s.mixed_trace.append({"skipped": f"layer-wise error failed: {error_text(err)}"})
         return None
-    if best is not None:
+    if best is not None and best.budget_ok:
         s.measure([best])
+    elif best is not None:  # over budget: it cannot be chosen for speed, so it is not timed
+        s.mixed_trace.append({"not_timed": f"{best.name} is over budget: {best.budget_reason}"})
     return best
 
 
@@ -45,15 +46,7 @@ def mixed_precision(s: Search, base: Trial) -> Trial | None:
     """Keep the worst nodes of ``base``'s ranking in float, bisecting over how many, until the
     budget is met (at most ``max_float_share`` of them). Returns the last probe that met it, or
     the largest probe when none did."""
-    rows = layer_errors(
-        s.prepared.path,
-        base.path,
-        base.plan.int8_nodes,
-        s.eval_inputs(),
-        s.cfg.layerwise_samples,
-        s.ctx.threads,
-        s.ctx.task.signature,
-    )
+    rows = s.layer_errors(base)
     ranking = [r["node"] for r in rows if r["sqnr_db"] is not None]
     if not ranking:
         return None

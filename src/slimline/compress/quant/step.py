@@ -119,7 +119,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=7,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI; a target on OpenVINO only gets no UINT8-weight QDQ (OpenVINO runs it in float)
+    version=8,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI; a target on OpenVINO only gets no UINT8-weight QDQ (OpenVINO runs it in float); 8: a trial whose median can no longer beat FP32's is timed on fewer rounds, the layer-wise table reuses mixed precision's and is left out for a candidate that cannot be kept
     reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
@@ -257,6 +257,15 @@ def _measurement(ctx: StepContext, t: Trial) -> dict[str, Any] | None:
         out["fidelity"]["rows"] = t.screened
     if t.latency is not None:
         out["latency_ms"] = t.latency
+    if t.latency is not None and t.fp32 is not None and t.cpu_p50 is not None:
+        # the search's interleaved rounds against FP32: the verdict against the same FP32 on
+        # the same runtime reads them instead of timing the pair again (pipeline/judge.py)
+        out["timed_with_baseline"] = {
+            "against": ctx.baseline.name,
+            "baseline_latency_ms": t.fp32,
+            "cpu_p50_ms": t.cpu_p50[0],
+            "baseline_cpu_p50_ms": t.cpu_p50[1],
+        }
     return out
 
 
@@ -276,6 +285,7 @@ def _trial_summary(s: Search, t: Trial) -> TrialSummary:
         "metric": t.quality.metric if t.quality else None,
         "failure": t.failure,
         "screened": t.screened,
+        "timing_stopped": t.timing_stopped,
         "size_bytes": t.size if t.path.is_file() else None,  # a failed trial has no file
     }
 

@@ -17,6 +17,7 @@ from typing import Any
 from ...candidate import Candidate
 from ...context import StepContext
 from ...errors import error_text, is_user_error
+from ...measure.latency import median_cannot_win
 from ...measure.quality import Quality
 from ...measure.runners import check_candidate
 from ...measure.screen import best_case, can_screen
@@ -24,6 +25,7 @@ from ...task import Inputs
 from .config import QuantizeConfig, QuantSpec
 from .engine import quantize_model
 from .fallback import fallback_warning, kernel_report
+from .layerwise import layer_errors
 from .plan import PrecisionPlan
 from .prepare import Prepared
 
@@ -62,6 +64,8 @@ class Trial:
     notes: list[str] = field(default_factory=list)
     failure: str | None = None  # why this trial could not be built, checked, evaluated or timed
     screened: str | None = None  # rejected on a subset of the rows: the rows, and why
+    timing_stopped: str | None = None  # left out of later timing rounds: the rounds, and why
+    cpu_p50: tuple[float, float] | None = None  # CPU ms per run, the trial's and FP32's
 
     @property
     def name(self) -> str:
@@ -96,6 +100,24 @@ class Search:
     trials: list[Trial] = field(default_factory=list)
     mixed_trace: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    layer_rows: dict[Path, list[dict[str, Any]]] = field(default_factory=dict)
+    layerwise_skipped: str | None = None  # why the chosen trial's table was not measured
+
+    def layer_errors(self, trial: Trial) -> list[dict[str, Any]]:
+        """``trial``'s layer-wise error (:func:`.layerwise.layer_errors`), measured once per
+        file in a search: mixed precision ranks by it, and the step's record keeps it for the
+        chosen trial, which is often the same one."""
+        if trial.path not in self.layer_rows:
+            self.layer_rows[trial.path] = layer_errors(
+                self.prepared.path,
+                trial.path,
+                trial.plan.int8_nodes,
+                self.eval_inputs(),
+                self.cfg.layerwise_samples,
+                self.ctx.threads,
+                self.ctx.task.signature,
+            )
+        return self.layer_rows[trial.path]
 
     @contextmanager
     def timed(self, what: str) -> Iterator[None]:
@@ -191,10 +213,34 @@ class Search:
                     self.fail(t, "timing", one)
 
     def _time(self, trials: list[Trial]) -> None:
+        """One interleaved benchmark of ``trials`` with FP32. A trial whose median can no longer
+        beat FP32's by ``min_gain``, whatever the rounds still to run give
+        (:func:`~slimline.measure.latency.median_cannot_win`), is left out of the later rounds:
+        it cannot be faster (:meth:`faster`), so it cannot be chosen for speed; its figures
+        cover the rounds it ran, and ``timing_stopped`` says why."""
         base = self.ctx.baseline
-        figures = self.ctx.compare([base, *[self.candidate(t) for t in trials]])
+        rounds, gain = self.ctx.recipe.bench.rounds, self.ctx.recipe.budget.min_gain
+        names = {t.name for t in trials}
+
+        def retire(p50s: dict[str, list[float]]) -> list[str]:
+            return [
+                n
+                for n in names
+                if n in p50s and median_cannot_win(p50s[base.name], p50s[n], rounds, gain)
+            ]
+
+        figures = self.ctx.compare_retiring([base, *[self.candidate(t) for t in trials]], retire)
         for t in trials:
             t.latency, t.fp32 = figures[t.name]["latency_ms"], figures[base.name]["latency_ms"]
+            cpu, fp32_cpu = figures[t.name].get("cpu_ms"), figures[base.name].get("cpu_ms")
+            if cpu and fp32_cpu:
+                t.cpu_p50 = (float(cpu["p50"]), float(fp32_cpu["p50"]))
+            ran = int(t.latency.get("rounds", rounds))
+            if ran < rounds:
+                t.timing_stopped = (
+                    f"timed {ran} of {rounds} rounds: its median could no longer beat FP32's by "
+                    f"{gain:.0%} whatever the later rounds gave"
+                )
 
     @property
     def objective(self) -> str:
@@ -228,7 +274,12 @@ class Search:
         if trial.failure is not None:
             return f"failed: {trial.failure}"
         if trial.latency is None or trial.fp32 is None:
-            return f"over budget: {trial.budget_reason}; not timed (a candidate within budget was)"
+            why = (
+                "mixed precision's probe missed it"
+                if trial.plan.tag.startswith("-mixed")
+                else ("a candidate within budget was")
+            )
+            return f"over budget: {trial.budget_reason}; not timed ({why})"
         speed = (
             f"{self.ratio(trial):.2f}x FP32 latency (p50 {trial.p50():.2f} ms vs "
             f"{trial.fp32['p50']:.2f} ms)"

@@ -1,0 +1,179 @@
+"""The quantize search's shortcuts that decide nothing: a trial whose median can no longer beat
+FP32's leaves the timing rounds early (recorded), and the chosen trial's layer-wise table reuses
+mixed precision's or is left out for a trial over budget. Latencies are crafted, so no verdict
+depends on this machine's timing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from slimline.candidate import Candidate
+from slimline.compress.quant import auto
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.plan import MIXED, PrecisionPlan
+from slimline.compress.quant.trial import Search, Trial
+from slimline.context import StepContext
+from slimline.measure.latency import summarize_latency
+from slimline.measure.quality import Reference
+from slimline.recipe import recipe_from_dict
+from slimline.taskspec import Task
+
+ROUNDS = 5
+
+
+def _fake_compare(per_round: dict[str, list[float]], seen: dict[str, int]) -> Any:
+    """A benchmark that replays crafted per-round p50s and asks ``retire`` after each round,
+    as slimline.measure.latency.benchmark does."""
+
+    def compare(cands: list[Candidate], retire: Any) -> dict[str, dict[str, Any]]:
+        active = [c.name for c in cands]
+        done: dict[str, list[float]] = {n: [] for n in active}
+        for rnd in range(ROUNDS):
+            for n in active:
+                done[n].append(per_round[n][rnd])
+            active = [n for n in active if n not in set(retire(done))]
+            if len(active) <= 1:
+                break
+        seen.update({n: len(v) for n, v in done.items()})
+        return {
+            n: {"latency_ms": summarize_latency([np.full(5, x) for x in v])}
+            for n, v in done.items()
+        }
+
+    return compare
+
+
+def _search(tmp_path: Path, per_round: dict[str, list[float]], seen: dict[str, int]) -> Search:
+    recipe = recipe_from_dict(
+        {"name": "r", "task": "m.onnx", "samples": "s.npz", "bench": {"rounds": ROUNDS}}
+    )
+    ctx = StepContext(
+        task=Task(
+            name="t",
+            source="t",
+            calibration_data=lambda: [],
+            eval_data=lambda: [],
+            metric=lambda o, lab: 0.0,
+            onnx_path=Path("m.onnx"),
+        ),
+        recipe=recipe,
+        workdir=tmp_path,
+        baseline=Candidate("fp32-onnx", "fp32", None),
+        reference=Reference(outputs=np.zeros((4, 3), np.float32), labels=None, metric=1.0),
+        compare_fn=lambda cs: {},
+        compare_retiring_fn=_fake_compare(per_round, seen),
+    )
+    return Search(ctx, QuantizeConfig(), None, {}, tmp_path, lambda: [])  # type: ignore[arg-type]
+
+
+def _trial(tmp_path: Path, slug: str) -> Trial:
+    spec = QuantSpec(mode="static", calibration=slug)  # type: ignore[arg-type]
+    return Trial(spec, PrecisionPlan({}, {}), tmp_path / f"{slug}.onnx")
+
+
+def test_a_trial_that_cannot_beat_fp32_leaves_the_rounds_early(tmp_path: Path) -> None:
+    fast, slow = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    per_round = {
+        "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
+        fast.name: [5.0, 5.1, 4.9, 5.0, 5.2],
+        slow.name: [14.0, 14.5, 13.8, 14.2, 14.1],  # 1.4x: its median cannot win after 3
+    }
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [fast, slow]
+    s.measure([fast, slow])
+    assert seen == {"fp32-onnx": 5, fast.name: 5, slow.name: 3}
+    assert slow.timing_stopped is not None and slow.timing_stopped.startswith("timed 3 of 5")
+    assert fast.timing_stopped is None
+    assert s.faster(fast) and not s.faster(slow)  # the verdicts all rounds would have given
+
+
+def test_a_close_trial_is_timed_every_round(tmp_path: Path) -> None:
+    close = _trial(tmp_path, "minmax")
+    per_round = {
+        "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
+        close.name: [9.5, 9.8, 9.4, 9.9, 9.5],  # near the 3% threshold: later rounds decide
+    }
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [close]
+    s.measure([close])
+    assert seen[close.name] == 5 and close.timing_stopped is None
+
+
+def test_when_every_trial_is_settled_the_benchmark_ends(tmp_path: Path) -> None:
+    a, b = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    per_round = {
+        "fp32-onnx": [10.0] * 5,
+        a.name: [20.0] * 5,
+        b.name: [30.0] * 5,
+    }
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [a, b]
+    s.measure([a, b])
+    assert seen == {"fp32-onnx": 3, a.name: 3, b.name: 3}
+
+
+@pytest.mark.parametrize(
+    ("budget_ok", "cached", "measured"),
+    [
+        (True, False, True),  # within budget: its table is measured
+        (False, True, False),  # mixed precision ranked this file: its table is reused
+        (False, False, False),  # over budget, not ranked: no table, and the record says why
+    ],
+)
+def test_the_layerwise_table_is_measured_only_when_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget_ok: bool, cached: bool, measured: bool
+) -> None:
+    from slimline.compress.quant import trial as trial_mod
+
+    calls: list[Path] = []
+
+    def fake_layer_errors(src: Path, path: Path, *a: Any) -> list[dict[str, Any]]:
+        calls.append(path)
+        return [{"node": "n", "sqnr_db": 20.0}]
+
+    monkeypatch.setattr(trial_mod, "layer_errors", fake_layer_errors)
+    s = _search(tmp_path, {}, {})
+    s.prepared = type("P", (), {"path": tmp_path / "p.onnx"})()
+    t = _trial(tmp_path, "minmax")
+    t.budget_ok, t.budget_reason = budget_ok, "cosine 0.9 < budget 0.99"
+    if cached:
+        s.layer_errors(t)  # what mixed precision does with its base
+        calls.clear()
+    rows = auto.layerwise_for(s, t)
+    assert (calls == [t.path]) == measured
+    assert bool(rows) == (budget_ok or cached)
+    if not rows:
+        assert s.layerwise_skipped is not None and "over budget" in s.layerwise_skipped
+
+
+@pytest.mark.parametrize("probe_ok", [True, False])
+def test_mixed_precision_times_its_result_only_within_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, probe_ok: bool
+) -> None:
+    from slimline.compress.quant import mixed
+
+    base = _trial(tmp_path, "minmax")
+    per_round = {"fp32-onnx": [10.0] * 5, base.name: [5.0] * 5}
+    plan = base.plan.with_float(["n1", "n2"], MIXED)
+    probe = Trial(base.spec, plan, tmp_path / "mixed.onnx")
+    assert probe.name.endswith("-mixed2")
+    probe.budget_ok, probe.budget_reason = probe_ok, "agreement 0.90 < budget 0.99"
+    per_round[probe.name] = [6.0] * 5
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [base]
+    s.measure([base])
+    seen.clear()
+    monkeypatch.setattr(mixed, "mixed_precision", lambda s_, t: probe)
+    assert mixed.mixed_from_fastest(s) is probe
+    assert (probe.name in seen) == probe_ok  # timed against FP32 only when it can be chosen
+    if not probe_ok:
+        assert s.mixed_trace[-1]["not_timed"].endswith("agreement 0.90 < budget 0.99")
+        assert "not timed (mixed precision's probe missed it)" in s.reason(probe)
