@@ -66,15 +66,11 @@ class FinetuneConfig(Config):
     alpha: float = Field(
         0.7, ge=0.0, le=1.0, description="weight of distillation vs task loss where labels exist"
     )
-    embedding_loss: Literal["cosine", "mse", "bce", "bce_iou"] = Field(
+    embedding_loss: Literal["cosine", "mse", "bce"] = Field(
         "cosine",
         description="loss between non-logit outputs: cosine, mse, or bce (outputs that are "
         "probabilities, e.g. a segmentation map after its sigmoid: binary cross-entropy "
-        "against the teacher's probabilities); bce_iou: bce plus 1 - the soft IoU of the "
-        "student's map, thresholded smoothly at map_threshold, with the teacher's mask",
-    )
-    map_threshold: float = Field(
-        0.5, gt=0.0, lt=1.0, description="for bce_iou: the threshold the map is judged at"
+        "against the teacher's probabilities)",
     )
     features: str | None = Field(
         None,
@@ -107,8 +103,6 @@ class FinetuneConfig(Config):
         data = super().key_dict()
         if data.get("dropout") is True:
             data.pop("dropout")
-        if data.get("embedding_loss") != "bce_iou":
-            data.pop("map_threshold", None)
         return data
 
 
@@ -256,8 +250,6 @@ def distill_loss(
         kd = 1.0 - F.cosine_similarity(s.reshape(len(s), -1), t.reshape(len(t), -1), dim=1).mean()
     elif cfg.embedding_loss == "bce":
         kd = _soft_bce(s, t)
-    elif cfg.embedding_loss == "bce_iou":
-        kd = _soft_bce(s, t) + _soft_iou_loss(s, t, cfg.map_threshold)
     else:
         kd = F.mse_loss(s, t)
     if labels is None:
@@ -284,27 +276,6 @@ def _soft_bce(student: Tensor, teacher: Tensor) -> Tensor:
     eps = 1e-6
     s, t = student.clamp(eps, 1.0 - eps), teacher.clamp(eps, 1.0 - eps)
     return F.binary_cross_entropy(s, t) - F.binary_cross_entropy(t, t)
-
-
-IOU_TEMPERATURE = 0.25  # logit units over which the student's soft mask goes from ~0.2 to ~0.8
-
-
-def _soft_iou_loss(student: Tensor, teacher: Tensor, threshold: float) -> Tensor:
-    """1 - the mean per-row IoU of the student's soft mask (its probabilities' logits against
-    the threshold's, through a steep sigmoid) with the teacher's mask (its map above the
-    threshold): what the declared IoU counts, with a gradient at the pixels near the threshold.
-    A row where both masks are empty counts as IoU 1."""
-    import torch
-
-    eps = 1e-6
-    p = student.clamp(eps, 1.0 - eps).reshape(len(student), -1)
-    cut = math.log(threshold / (1.0 - threshold))
-    soft = torch.sigmoid((torch.log(p / (1.0 - p)) - cut) / IOU_TEMPERATURE)
-    hard = (teacher.reshape(len(teacher), -1) > threshold).to(soft.dtype)
-    inter = (soft * hard).sum(1)
-    union = (soft + hard - soft * hard).sum(1)
-    iou = (inter + eps) / (union + eps)
-    return 1.0 - iou.mean()
 
 
 def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:

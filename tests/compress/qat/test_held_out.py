@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from slimline.compress.finetune import DistillHooks, FinetuneConfig, distill, distill_loss
+from slimline.compress.finetune import DistillHooks, FinetuneConfig, distill
 from slimline.compress.qat.held_out import (
     TIE_WEIGHT,
     DeclaredScore,
@@ -33,7 +33,7 @@ def test_the_declared_kind_picks_the_output_and_the_loss() -> None:
     maps = _task(prob=ProbabilityMapOutput(threshold=0.3))
     assert declared_output(maps, "prob") == "prob"
     assert declared_output(maps, None) == "prob"  # a torch task: its one declared output
-    assert kind_loss(maps, "prob") == {"embedding_loss": "bce_iou", "map_threshold": 0.3}
+    assert kind_loss(maps, "prob") == "bce"
     logits = _task(cls=LogitsOutput())
     assert kind_loss(logits, "cls") is None  # logits are distilled by KL already
     both = _task(a=LogitsOutput(), b=LogitsOutput())
@@ -121,15 +121,19 @@ def test_qat_hooks_score_by_the_declaration_and_keep_its_first_loss_across_a_res
     assert plain.held_out_loss(teacher, teacher, _val(), 0.25) == 0.25  # nothing declared
 
 
-def test_the_soft_iou_loss_counts_what_the_thresholded_iou_counts() -> None:
-    teacher = torch.tensor([[0.1, 0.2, 0.5, 0.9], [0.0, 0.0, 0.0, 0.0]])
-    cfg = FinetuneConfig(embedding_loss="bce_iou", map_threshold=0.3)
-    same = distill_loss(teacher.clone(), teacher, None, "other", cfg)
-    assert float(same) < 0.05  # the teacher's own map: ~0 (the soft mask is steep, not hard)
-    # one pixel crosses the threshold: the IoU term moves by ~1/3 of the first row's, / 2 rows
-    crossed = torch.tensor([[0.1, 0.4, 0.5, 0.9], [0.0, 0.0, 0.0, 0.0]])
-    assert float(distill_loss(crossed, teacher, None, "other", cfg)) > float(same) + 0.1
-    near = torch.tensor([[0.1, 0.28, 0.5, 0.9], [0.0, 0.0, 0.0, 0.0]], requires_grad=True)
-    distill_loss(near, teacher, None, "other", cfg).backward()  # type: ignore[no-untyped-call]
-    assert near.grad is not None and float(near.grad[0, 1]) > 0  # pushed back below 0.3
-    assert "map_threshold" not in FinetuneConfig(embedding_loss="bce").key_dict()
+def test_a_ptq_row_screened_on_a_subset_is_judged_again_on_every_row() -> None:
+    from slimline.candidate import Candidate
+    from slimline.compress.qat.compare import _all_rows
+
+    seen: list[str] = []
+
+    def evaluate(cand: Candidate) -> str:
+        seen.append(cand.name)
+        return "all rows"
+
+    ctx: Any = SimpleNamespace(evaluate_fn=evaluate, evaluate=evaluate)
+    cand = Candidate("ptq", "quantize", None)
+    screened: Any = SimpleNamespace(screened="8 of 31 rows", quality="subset")
+    assert _all_rows(ctx, screened, cand) == "all rows" and seen == ["ptq"]
+    judged: Any = SimpleNamespace(screened=None, quality="every row")
+    assert _all_rows(ctx, judged, cand) == "every row" and seen == ["ptq"]

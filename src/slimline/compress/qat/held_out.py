@@ -51,16 +51,12 @@ def declared_output(task: Task, output: str | None) -> str | None:
     return next(iter(judge.declared)) if len(judge.declared) == 1 else None
 
 
-def kind_loss(task: Task, output: str | None) -> dict[str, Any] | None:
-    """``finetune`` settings that match the declared kind of ``output``: for a probability map,
-    ``bce_iou`` at its threshold (binary cross-entropy against FP32's map, plus the soft IoU of
-    the thresholded masks); None where the configured loss stays."""
+def kind_loss(task: Task, output: str | None) -> str | None:
+    """``finetune.embedding_loss`` that matches the declared kind of ``output``: ``bce`` for a
+    probability map; None where the configured loss stays."""
     if output is None or task.judge is None:
         return None
-    decl = task.judge.declared[output]
-    if isinstance(decl, ProbabilityMapOutput):
-        return {"embedding_loss": "bce_iou", "map_threshold": decl.threshold}
-    return None
+    return "bce" if isinstance(task.judge.declared[output], ProbabilityMapOutput) else None
 
 
 class DeclaredScore:

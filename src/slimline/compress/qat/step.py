@@ -340,7 +340,7 @@ def _judged(cfg: QatConfig, ctx: StepContext, output: str | None) -> tuple[Any, 
         return ft_cfg, None
     loss = kind_loss(ctx.task, name)
     if loss is not None:
-        ft_cfg = ft_cfg.model_copy(update=loss)
+        ft_cfg = ft_cfg.model_copy(update={"embedding_loss": loss})
     return ft_cfg, DeclaredScore(ctx.task.judge, name)
 
 
