@@ -136,6 +136,14 @@ class DistillHooks:
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state` from a checkpoint (called before the first resumed step)."""
 
+    def held_out_loss(
+        self, student: nn.Module, teacher: nn.Module, val: list[Any], loss: float
+    ) -> float:
+        """What picks the kept weights and stops training early (lower is better), given the
+        held-out batches and their distillation ``loss``: by default that loss. QAT scores the
+        student as the task's declared output kind judges it (e.g. a thresholded map's IoU)."""
+        return loss
+
     def feature_taps(
         self, student: nn.Module, teacher: nn.Module, cfg: FinetuneConfig
     ) -> tuple[FeatureTap, FeatureTap] | None:
@@ -356,7 +364,12 @@ def distill(
     teacher = eval_module(teacher)
     hooks.prepare_student(student)
     val, skip = _split(batches, cfg.val_batches)
-    before = _val_loss(student, teacher, val, output_kind, cfg)
+
+    def held_out() -> float:
+        loss = _val_loss(student, teacher, val, output_kind, cfg)
+        return hooks.held_out_loss(student, teacher, val, loss)
+
+    before = held_out()
     result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
     if cfg.steps == 0:
         return result
@@ -384,7 +397,7 @@ def distill(
             hooks.on_step(step_i, value)
             result.steps = step_i
             if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
-                v = _val_loss(student, teacher, val, output_kind, cfg)
+                v = held_out()
                 result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
                 halt = stop.update(step_i, v, student)
                 result.best_step = stop.step

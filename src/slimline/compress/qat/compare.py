@@ -142,11 +142,14 @@ def compare_rows(
     ):
         if trial is None or trial.failure is not None:
             continue
-        rows[key] = {**_row(trial.name, trial.label, trial.quality, trial.kernels)}
+        cand = Candidate(trial.name, "quantize", None, onnx=trial.path)
+        rows[key] = {**_row(trial.name, trial.label, _all_rows(ctx, trial, cand), trial.kernels)}
         rows[key]["budget_ok"] = trial.budget_ok
+        if trial.screened:
+            rows[key]["screened_by_search"] = trial.screened
         if key == "ptq_full_calibrated":
             rows[key]["label"] = f"full INT8 PTQ, {ptq.calibration} calibration"
-        cands[key] = Candidate(trial.name, "quantize", None, onnx=trial.path)
+        cands[key] = cand
     rows["qat"] = _row(qat.name, "QAT", quality, kernels)
     cands["qat"] = qat
     if quality is not None:
@@ -163,6 +166,15 @@ def compare_rows(
             **({"latency_ms": latency["qat"]} if "qat" in latency else {}),
         }
     return out
+
+
+def _all_rows(ctx: StepContext, trial: Trial, cand: Candidate) -> Any:
+    """``trial``'s quality on every evaluation row, as QAT's is measured: the quantize search
+    judges a candidate on a subset of the rows first (``screened``) and stops there when the
+    subset already misses the budget, and a subset's figure is not comparable with QAT's."""
+    if trial.screened is None or ctx.evaluate_fn is None:
+        return trial.quality
+    return ctx.evaluate(cand)
 
 
 def _latency(ctx: StepContext, cands: dict[str, Candidate]) -> dict[str, dict[str, Any]]:

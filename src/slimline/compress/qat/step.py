@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import shutil
 import time
 from collections import deque
@@ -48,6 +47,8 @@ from ..quant.fallback import kernel_report
 from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
+from .export_where import failing_module, node_of_op
+from .held_out import DeclaredScore, declared_output, kind_loss
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
@@ -156,6 +157,12 @@ class QatConfig(StepConfig):
         "around the compute layers only (compute: element-wise ops in float); the PTQ "
         "comparison uses the same",
     )
+    judge_declared: bool = Field(
+        True,
+        description="where the task declares its output's kind (recipe outputs:): distill "
+        "with the loss that matches it (probability_map: bce) and keep the weights of the best "
+        "declared agreement on the held-out training batches, not of the lowest loss",
+    )
     progress: bool = True
 
     @field_validator("finetune", mode="before")
@@ -173,8 +180,8 @@ class QatHooks(DistillHooks):
     oscillates (whichever comes first), and the range observers after theirs; records when and
     why. The decisions are saved with each checkpoint, so a resumed run re-applies them."""
 
-    def __init__(self, cfg: QatConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: QatConfig, score: DeclaredScore | None = None) -> None:
+        self.cfg, self.score = cfg, score
         self.bn_frozen_at: int | None = None
         self.bn_trigger: str | None = None  # "steps" or "oscillation"
         self.observers_frozen_at: int | None = None
@@ -207,6 +214,11 @@ class QatHooks(DistillHooks):
             fq.freeze_observers(student)
             self._applied.add("observers")
 
+    def held_out_loss(self, student: Any, teacher: Any, val: list[Any], loss: float) -> float:
+        """``1 - `` the declared agreement (:class:`.held_out.DeclaredScore`) where the task
+        declares its output, else the distillation loss."""
+        return loss if self.score is None else self.score(student, teacher, val, loss)
+
     def on_step(self, step: int, loss: float) -> None:
         if self.cfg.freeze_bn_on_oscillation is None or self.bn_frozen_at is not None:
             return
@@ -221,6 +233,7 @@ class QatHooks(DistillHooks):
             "bn_trigger": self.bn_trigger,
             "observers_frozen_at": self.observers_frozen_at,
             "losses": list(self.losses),
+            "first_loss": self.score.first_loss if self.score is not None else None,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -229,6 +242,8 @@ class QatHooks(DistillHooks):
         self.bn_frozen_at, self.bn_trigger = state["bn_frozen_at"], state["bn_trigger"]
         self.observers_frozen_at = state["observers_frozen_at"]
         self.losses.extend(state["losses"])
+        if self.score is not None:
+            self.score.first_loss = state.get("first_loss")
 
     def _bn_record(self, steps: int) -> str:
         window, after = self.cfg.freeze_bn_on_oscillation, self.cfg.freeze_bn_after
@@ -315,7 +330,23 @@ def gains_table(gains: list[LayerGain], limit: int = 16) -> list[dict[str, Any]]
     return [g.to_dict() for g in gains[:limit]]
 
 
-def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[str, Any]:
+def _judged(cfg: QatConfig, ctx: StepContext, output: str | None) -> tuple[Any, Any]:
+    """The fine-tuning settings with the declared kind's loss, and the held-out score by the
+    declared kind (None: the distillation loss), where ``judge_declared`` and the task declare
+    the trained output (:mod:`.held_out`)."""
+    ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
+    name = declared_output(ctx.task, output) if cfg.judge_declared else None
+    if name is None or ctx.task.judge is None:
+        return ft_cfg, None
+    loss = kind_loss(ctx.task, name)
+    if loss is not None:
+        ft_cfg = ft_cfg.model_copy(update={"embedding_loss": loss})
+    return ft_cfg, DeclaredScore(ctx.task.judge, name)
+
+
+def _train(
+    cfg: QatConfig, module: Any, ctx: StepContext, state: Path, output: str | None
+) -> dict[str, Any]:
     """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
     fmt = fq.format_for(detect_cpu(), cfg.quantize_ops, tuple(cfg.float_modules))
     data, source, note = resolve_data(ctx.task, cfg.finetune)
@@ -336,8 +367,8 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
         if cfg.learn_ranges
         else 0
     )
-    hooks = QatHooks(cfg)
-    ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
+    ft_cfg, score = _judged(cfg, ctx, output)
+    hooks = QatHooks(cfg, score)
     ft = distill(
         student,
         teacher,
@@ -362,76 +393,12 @@ def _train(cfg: QatConfig, module: Any, ctx: StepContext, state: Path) -> dict[s
             "float_search": search,
             "data": source,
             "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
-            "history": ft.history,
+            "loss": ft_cfg.embedding_loss,
+            "kept_by": "declared agreement" if score is not None else "distillation loss",
+            "history": _with_agreement(ft.history, score),
             "freezing": hooks.record(ft.steps),
         },
     }
-
-
-def _node_of_op(model: Any, message: str) -> str | None:
-    """The module (and its class) whose traced code calls the op the exporter named, from the FX
-    graph's module stack: FX inlines user modules, so the op is a node, not a leaf module."""
-    found = re.search(r"aten::(\w+)", message)
-    graph = getattr(model, "graph", None)
-    if found is None or graph is None:
-        return None
-    op = found.group(1)
-    for node in graph.nodes:
-        name = getattr(node.target, "__name__", str(node.target))
-        if node.op in ("call_function", "call_method") and name == op:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            if not stack:
-                return f"the model's own forward (op aten::{op})"
-            path, cls = stack[-1]
-            cls_name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1])
-            return f"module {path} ({cls_name}): op aten::{op}"
-    return None
-
-
-def _failing_module(model: Any, sample: dict[str, np.ndarray], opset: int) -> str:
-    """The first leaf module (in call order) that the exporter cannot export alone, with the
-    exporter's message: it names the op."""
-    import torch
-
-    from ...export import export_module
-
-    calls: list[tuple[str, Any, tuple[Any, ...]]] = []
-    handles = [
-        m.register_forward_hook(lambda mod, args, out, n=n: calls.append((n, mod, args)))
-        for n, m in model.named_modules()
-        if n and not list(m.children())
-    ]
-    try:
-        with torch.no_grad():
-            model(**to_tensors(sample))
-    finally:
-        for h in handles:
-            h.remove()
-    for name, mod, args in calls:
-        if not args or not all(isinstance(a, torch.Tensor) for a in args):
-            continue
-        feed = {f"in{i}": a.detach().numpy() for i, a in enumerate(args)}
-        try:
-            export_module(_positional(mod, len(args)), feed, Path("/dev/null"), opset)
-        except ExportError as err:
-            return f"module {name} ({type(mod).__name__}): {error_text(err)}"
-        except Exception:
-            continue
-    return "no single module fails alone"
-
-
-def _positional(mod: Any, n: int) -> Any:
-    import torch
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = mod
-
-        def forward(self, *args: Any) -> Any:  # export_module passes the inputs in order
-            return self.inner(*args[:n])
-
-    return Wrapped()
 
 
 def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[str, Any]]:
@@ -446,7 +413,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
         fusable = make_file_fusable(path)
         float_layers = float_inputs_file(path)  # e.g. a ConvTranspose QAT leaves in float
     except ExportError as err:
-        where = _node_of_op(model, error_text(err)) or _failing_module(
+        where = node_of_op(model, error_text(err)) or failing_module(
             model, ctx.task.sample_inputs(2), cfg.opset
         )
         raise ExportError(
@@ -455,6 +422,15 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
         ) from None
     check = _verify(model, path, sample, cfg, ctx.threads)
     return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
+
+
+def _with_agreement(history: list[dict[str, float]], score: Any) -> list[dict[str, float]]:
+    """The fine-tuning history with each held-out evaluation's declared agreement."""
+    if score is None:
+        return history
+    # the history's val_loss is the held-out score there; the distillation loss is the score's
+    pairs = zip(history, score.history, strict=False)
+    return [{**h, "score": h["val_loss"], **a} for h, a in pairs]
 
 
 NOISE = 1e-6  # relative perturbation of the noise floor: float32 sums of a few hundred terms
@@ -544,7 +520,8 @@ def run_qat(
     state = _state_dir(cfg, cand, ctx)
     with torch_threads(ctx.threads):
         module, converted = _input_module(cand, ctx)
-        trained = _train(cfg, module, ctx, state)
+        output = converted["output"] if converted is not None else None
+        trained = _train(cfg, module, ctx, state, output)
         path, check = _export(cfg, trained["student"], ctx)
     if converted is not None:  # the task's declarations and signature name the ONNX output
         from .onnx_module import rename_output
@@ -576,8 +553,9 @@ def run_qat(
     # 2: layers left in float (ConvTranspose) read a per-axis DequantizeLinear; 3: calibration
     # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
     # gradient scale, learned zero points, export check's noise floor; 5: an ONNX task's float
-    # graph converted to torch (onnx_module.py)
-    version=5,
+    # graph converted to torch (onnx_module.py); 6: judge_declared (the declared kind's loss,
+    # the weights of the best declared agreement kept)
+    version=6,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )

@@ -1,0 +1,100 @@
+"""QAT judged as the task is: the declared output kind picks the loss and the kept weights.
+
+Where a task declares how its output is judged (:mod:`slimline.outputs`), the ``qat`` step
+trains and chooses its weights by what that declaration sees, not only by a distance between raw
+outputs:
+
+- **the loss** (:func:`kind_loss`): a ``probability_map`` is distilled with binary cross-entropy
+  against FP32's map. The declared IoU counts the pixels on each side of the threshold; a map is
+  ~0 almost everywhere, and MSE or cosine on it is ruled by the large values far from the
+  threshold, while cross-entropy weighs each pixel's odds;
+- **the kept weights** (:class:`DeclaredScore`): each held-out evaluation scores the student's
+  output on the held-out training batches (never the evaluation rows) with the task's own judge
+  (:class:`~slimline.measure.judge.Judge`) against the FP32 teacher's, and the weights of the
+  best agreement are kept (the distillation loss only breaks ties). On a detector, the weights of
+  the lowest MSE on raw box outputs were not those with the most boxes kept.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...outputs import ProbabilityMapOutput
+from ..features import first_output
+from ..finetune import to_tensors
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ...measure.judge import Judge
+    from ...task import Task
+
+__all__ = ["TIE_WEIGHT", "DeclaredScore", "declared_output", "kind_loss"]
+
+# weight of the distillation loss (relative to its value at step 0) in the held-out score: it
+# only orders evaluations of equal agreement, so it stays below one agreement step of a few
+# hundred boxes or pixels
+TIE_WEIGHT = 1e-3
+
+
+def declared_output(task: Task, output: str | None) -> str | None:
+    """The name under which the task's judge reads the trained model's one output: ``output``
+    (an ONNX task's converted graph names it) when the judge declares it, else the judge's one
+    declared output; None where the task declares none (or several)."""
+    judge = task.judge
+    if judge is None:
+        return None
+    if output is not None and output in judge.declared:
+        return output
+    return next(iter(judge.declared)) if len(judge.declared) == 1 else None
+
+
+def kind_loss(task: Task, output: str | None) -> str | None:
+    """``finetune.embedding_loss`` that matches the declared kind of ``output``: ``bce`` for a
+    probability map; None where the configured loss stays."""
+    if output is None or task.judge is None:
+        return None
+    return "bce" if isinstance(task.judge.declared[output], ProbabilityMapOutput) else None
+
+
+class DeclaredScore:
+    """The held-out score of a QAT student: ``1 - agreement`` of its output with the teacher's
+    as the task's judge scores it, plus :data:`TIE_WEIGHT` x the distillation loss relative to
+    the first one. Keeps each evaluation's agreement for the step's record."""
+
+    def __init__(self, judge: Judge, output: str) -> None:
+        self.judge, self.output = judge, output
+        self.first_loss: float | None = None
+        self.history: list[dict[str, float]] = []
+
+    def agreement(self, student: nn.Module, teacher: nn.Module, val: list[Any]) -> float:
+        """The lowest agreement over the declared outputs, on the held-out batches."""
+        import torch
+
+        was_training = student.training
+        student.eval()
+        outs, refs = [], []
+        try:
+            with torch.no_grad():
+                for inputs, _ in val:
+                    x = to_tensors(inputs)
+                    outs.append(first_output(student(**x)).float().numpy())
+                    refs.append(first_output(teacher(**x)).float().numpy())
+        finally:
+            student.train(was_training)
+        scores = self.judge.score(
+            {self.output: np.concatenate(outs)}, {self.output: np.concatenate(refs)}
+        )
+        return min(float(s["agreement"]) for s in scores.values())
+
+    def __call__(
+        self, student: nn.Module, teacher: nn.Module, val: list[Any], loss: float
+    ) -> float:
+        agree = self.agreement(student, teacher, val)
+        if self.first_loss is None:
+            self.first_loss = loss
+        ratio = loss / self.first_loss if self.first_loss > 0 else 0.0
+        self.history.append({"agreement": agree, "val_loss": loss})
+        return (1.0 - agree) + TIE_WEIGHT * ratio
