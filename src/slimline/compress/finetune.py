@@ -343,20 +343,14 @@ def distill(
     checkpoint: TrainCheckpoint | None = None,
     hooks: DistillHooks | None = None,
 ) -> FinetuneResult:
-    """Fine-tune ``student`` in place to match ``teacher``; returns what happened.
-
-    ``student`` must be the caller's own module (its weights, BatchNorm statistics and training
-    flag change); ``teacher`` is only run, in eval mode: a teacher in training mode is run as an
-    eval-mode copy, so the caller's teacher keeps its flags and statistics.
-
-    ``batches()`` yields ``(inputs, labels or None)``; labels add the task loss (``task.loss`` if
-    defined, cross-entropy for integer labels on logits). The best held-out weights are kept.
-    With a ``checkpoint``, the whole training state (weights, optimizer, schedule, best weights,
-    early-stop count, RNG, data position) is saved at every held-out evaluation, and a run that
-    finds one continues from it instead of starting over. ``hooks`` (:class:`DistillHooks`)
-    let a technique change the student, its parameter groups and each step. The parts, each
-    testable alone: :class:`TrainingStep`, :class:`EarlyStopping`, :func:`_training_state`.
-    """
+    """Fine-tune ``student`` (the caller's own module: its weights, BatchNorm statistics and
+    training flag change) in place to match ``teacher`` (run in eval mode, as an eval-mode copy
+    if in training mode); returns what happened. ``batches()`` yields ``(inputs, labels or
+    None)``; labels add the task loss (``task.loss``, or cross-entropy for integer labels on
+    logits). The best held-out weights are kept. A ``checkpoint`` saves the whole training state
+    at every held-out evaluation, and a run that finds one continues from it. ``hooks``
+    (:class:`DistillHooks`) let a technique change the student, its parameter groups and each
+    step. Parts: :class:`TrainingStep`, :class:`EarlyStopping`, :func:`_training_state`."""
     from tqdm.auto import tqdm
 
     lr = resolve_lr(task, cfg)
@@ -397,15 +391,9 @@ def distill(
             hooks.on_step(step_i, value)
             result.steps = step_i
             if step_i % cfg.eval_every == 0 or step_i == cfg.steps:
-                v = held_out()
-                result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
-                halt = stop.update(step_i, v, student)
-                result.best_step = stop.step
-                if halt:
-                    result.stopped_early = step_i < cfg.steps
+                state = (step_i, train, stop, running, result)
+                if _held_out_halts(held_out(), state, cfg.steps, checkpoint):
                     break
-                if checkpoint is not None and step_i < cfg.steps:
-                    checkpoint.save(_training_state(step_i, train, stop, running, result))
             if step_i >= cfg.steps:
                 break
         bar.close()
@@ -415,6 +403,24 @@ def distill(
         return result
     finally:
         train.close()
+
+
+def _held_out_halts(
+    v: float,
+    state: tuple[int, TrainingStep, EarlyStopping, float, FinetuneResult],
+    steps: int,
+    checkpoint: TrainCheckpoint | None,
+) -> bool:
+    """Record held-out ``v``, update early stopping, save a checkpoint; True: training stops."""
+    step_i, train, stop, running, result = state
+    result.history.append({"step": step_i, "train_loss": running, "val_loss": v})
+    halt = stop.update(step_i, v, train.student)
+    result.best_step, result.stopped_early = stop.step, halt and step_i < steps
+    if halt:
+        return True
+    if checkpoint is not None and step_i < steps:
+        checkpoint.save(_training_state(step_i, train, stop, running, result))
+    return False
 
 
 class TrainingStep:
