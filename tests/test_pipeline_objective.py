@@ -176,7 +176,9 @@ def test_remeasure_judges_and_measures_again_but_reuses_the_steps(
     calls.clear()
     caplog.clear()
     run_recipe(recipe, tmp_path / "c", cache=cache, remeasure=True)
-    assert ["fp32-onnx", "graph"] in calls  # the graph step's decision is timed again
+    # the graph step's decision is made again (not timed: ONNX Runtime runs the tiny model's
+    # graph step output as the same graph as its parent, which the verdict checks first)
+    assert "judge graph on onnxruntime" in caplog.text
     assert any(len(names) >= 3 for names in calls)  # and every candidate is measured again
     assert "reusing cached figures" not in caplog.text
     assert "step graph: reusing cached result" in caplog.text  # the step itself is not rerun
