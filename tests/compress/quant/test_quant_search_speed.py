@@ -177,3 +177,27 @@ def test_mixed_precision_times_its_result_only_within_budget(
     if not probe_ok:
         assert s.mixed_trace[-1]["not_timed"].endswith("agreement 0.90 < budget 0.99")
         assert "not timed (mixed precision's probe missed it)" in s.reason(probe)
+
+
+def test_trials_over_budget_are_timed_only_to_rank_them(tmp_path: Path) -> None:
+    """None within budget: the timing only chooses mixed precision's start, so it stops after
+    RANK_ROUNDS rounds, and the ranking it gives is the one every round would have given."""
+    from slimline.compress.quant.trial import RANK_ROUNDS
+
+    a, b = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    per_round = {
+        "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
+        a.name: [6.0, 6.1, 5.9, 6.0, 6.2],
+        b.name: [6.4, 6.5, 6.3, 6.4, 6.6],
+    }
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [a, b]
+    s.measure([a, b], rank_only=True)
+    assert RANK_ROUNDS < ROUNDS
+    assert seen == {"fp32-onnx": RANK_ROUNDS, a.name: RANK_ROUNDS, b.name: RANK_ROUNDS}
+    assert a.timing_stopped is not None and "only ranks them" in a.timing_stopped
+    assert a.p50() < b.p50()  # mixed precision would start from a, as with all rounds
+    seen.clear()
+    s.measure([a, b])  # a verdict's timing (within budget) still runs every round
+    assert seen[a.name] == ROUNDS

@@ -40,9 +40,9 @@ def search(
             s.judge(t)
     in_budget = [t for t in s.usable() if t.budget_ok]
     with s.timed("compare"):
-        s.measure(in_budget or s.usable())
+        s.measure(in_budget or s.usable(), rank_only=not in_budget)
         if not any(t.latency for t in s.usable()):  # those within budget all failed to time
-            s.measure([t for t in s.usable() if t.latency is None])
+            s.measure([t for t in s.usable() if t.latency is None], rank_only=True)
     if not any(t.latency for t in s.usable()):
         raise all_failed(s)
     good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
@@ -51,7 +51,8 @@ def search(
         untimed = [t for t in s.usable() if t.latency is None]
         if untimed:
             with s.timed("compare"):
-                s.measure(untimed)  # mixed precision starts from the fastest, in budget or not
+                # mixed precision starts from the fastest, in budget or not: a ranking
+                s.measure(untimed, rank_only=True)
         with s.timed("mixed_precision"):
             mixed = mixed_from_fastest(s)
         if mixed is not None:

@@ -35,6 +35,9 @@ log = logging.getLogger("slimline.quantize")
 
 
 SCREEN_MIN_ROWS = 8  # screening evaluates a quarter of the rows, at least this many
+# Trials timed only to rank them (none is within budget: the timing chooses mixed precision's
+# starting file and names the closest miss, and decides no verdict) run this many rounds at most.
+RANK_ROUNDS = 3
 
 
 NOT_BUILT: dict[str, Any] = {
@@ -194,35 +197,40 @@ class Search:
     def candidate(self, trial: Trial, parent: str = "") -> Candidate:
         return Candidate(name=trial.name, step="quantize", parent=parent or None, onnx=trial.path)
 
-    def measure(self, trials: list[Trial]) -> None:
+    def measure(self, trials: list[Trial], *, rank_only: bool = False) -> None:
         """Time ``trials`` interleaved with FP32. When that fails, each is timed alone with FP32
-        so that one trial's failure rejects that trial only."""
+        so that one trial's failure rejects that trial only. ``rank_only``: the trials are over
+        budget and timed only to rank them; at most :data:`RANK_ROUNDS` rounds."""
         trials = [t for t in trials if t.failure is None]
         if not trials:
             return
         try:
-            self._time(trials)
+            self._time(trials, rank_only)
         except Exception as err:
             if is_user_error(err) or len(trials) == 1:
                 self.fail(trials[0], "timing", err)
                 return
             for t in trials:
                 try:
-                    self._time([t])
+                    self._time([t], rank_only)
                 except Exception as one:
                     self.fail(t, "timing", one)
 
-    def _time(self, trials: list[Trial]) -> None:
+    def _time(self, trials: list[Trial], rank_only: bool = False) -> None:
         """One interleaved benchmark of ``trials`` with FP32. A trial whose median can no longer
         beat FP32's by ``min_gain``, whatever the rounds still to run give
         (:func:`~slimline.measure.latency.median_cannot_win`), is left out of the later rounds:
         it cannot be faster (:meth:`faster`), so it cannot be chosen for speed; its figures
-        cover the rounds it ran, and ``timing_stopped`` says why."""
+        cover the rounds it ran, and ``timing_stopped`` says why. ``rank_only``: every trial
+        stops after :data:`RANK_ROUNDS` rounds (their figures rank them; no verdict reads them)."""
         base = self.ctx.baseline
         rounds, gain = self.ctx.recipe.bench.rounds, self.ctx.recipe.budget.min_gain
         names = {t.name for t in trials}
+        rank_at = min(RANK_ROUNDS, rounds) if rank_only else rounds
 
         def retire(p50s: dict[str, list[float]]) -> list[str]:
+            if len(p50s.get(base.name) or []) >= rank_at:
+                return sorted(names)  # ranked: FP32 alone is left, so the benchmark ends
             return [
                 n
                 for n in names
@@ -236,7 +244,12 @@ class Search:
             if cpu and fp32_cpu:
                 t.cpu_p50 = (float(cpu["p50"]), float(fp32_cpu["p50"]))
             ran = int(t.latency.get("rounds", rounds))
-            if ran < rounds:
+            if rank_only and ran == rank_at < rounds:
+                t.timing_stopped = (
+                    f"timed {ran} of {rounds} rounds: no trial was within budget, so the timing "
+                    "only ranks them (mixed precision starts from the fastest)"
+                )
+            elif ran < rounds:
                 t.timing_stopped = (
                     f"timed {ran} of {rounds} rounds: its median could no longer beat FP32's by "
                     f"{gain:.0%} whatever the later rounds gave"
