@@ -123,6 +123,8 @@ def measure(path: Any, rows: dict[str, np.ndarray], rates: list[float], rounds: 
                 closed[proto].append(_closed(proto, ends, loads[proto], server))
         for rate in rates:
             going = [p for p in PROTOCOLS if not steps[p] or passes(steps[p][-1])]
+            if not going:  # every protocol has its knee: no higher rate to send
+                break
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in going}
             for r in range(rounds):  # the order rotates, so no contender always goes first
                 for proto in going[r % len(going) :] + going[: r % len(going)]:
@@ -130,8 +132,6 @@ def measure(path: Any, rows: dict[str, np.ndarray], rates: list[float], rounds: 
             for proto, got in runs.items():
                 steps[proto].append(merge_rounds(got))
             print(rate, {p: round(steps[p][-1]["p99_ms"], 1) for p in going}, flush=True)
-            if not runs:
-                break
     cpu = {p: {k: statistics.median(c[k] for c in v) for k in v[0]} for p, v in closed.items()}
     return {"flags": FLAGS, "slo_ms": SLO_MS, "rounds": rounds, "seconds": seconds,
             "steps": steps, "knees": {p: knee(s) for p, s in steps.items()},

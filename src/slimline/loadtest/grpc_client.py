@@ -32,7 +32,15 @@ __all__ = ["GrpcClient", "check_grpc_request", "grpc_payloads", "outcome_of_code
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
-_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+# no transparent retries (a retried request would be measured as one) and no BDP pings (the
+# flow-control window of a loopback load test needs no probing); both cost the client CPU per
+# call that it shares with the server (bench/RESULTS-serve.md)
+_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 0),
+    ("grpc.http2.bdp_probe", 0),
+]
 _BAD_REQUEST = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                           grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                           grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED})  # fmt: skip

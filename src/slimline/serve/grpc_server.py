@@ -182,12 +182,18 @@ def _timeout_param(params: Any) -> float | None:
 
 
 def response_message(
-    model: ServedModel, req: InferRequest, outputs: Tensors, parameters: dict[str, Any] | None
+    model: ServedModel,
+    req: InferRequest,
+    outputs: Tensors,
+    parameters: dict[str, Any] | None,
+    response: pb.ModelInferResponse | None = None,
 ) -> pb.ModelInferResponse:
-    """The outputs asked for (all, by default), as raw little-endian bytes."""
-    response = pb.ModelInferResponse(
-        model_name=model.name, model_version=model.version, id=req.id or ""
-    )
+    """The outputs asked for (all, by default), as raw little-endian bytes; written into
+    ``response`` when given (a stream answer's ``infer_response``, so it is not copied)."""
+    if response is None:
+        response = pb.ModelInferResponse()
+    response.model_name, response.model_version = model.name, model.version
+    response.id = req.id or ""
     names = [o.name for o in req.outputs] if req.outputs else list(outputs)
     for name in names:
         arr = np.asarray(outputs[name])
@@ -263,7 +269,8 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request: Any, context: Any) -> pb.ModelInferResponse:
-        await self._check_token(context)
+        if self.token is not None:  # the common case, no token, awaits nothing here
+            await self._check_token(context)
         answer = await self._answer(request, context.time_remaining())
         if isinstance(answer, pb.ModelInferResponse):
             return answer
@@ -276,7 +283,8 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         batcher (so they batch together) and is answered as soon as it is done, in any order,
         with its id; a failed request gets ``error_message`` ("CODE: message", the code that
         ``ModelInfer`` would have ended with) and the stream goes on."""
-        await self._check_token(context)
+        if self.token is not None:
+            await self._check_token(context)
         answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read_stream(requests, context, answers))
         try:
@@ -294,15 +302,13 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         running: set[asyncio.Task[None]] = set()
 
         async def one(request: pb.ModelInferRequest) -> None:
-            answer = await self._answer(request, context.time_remaining())
-            if isinstance(answer, pb.ModelInferResponse):
-                answers.put_nowait(pb.ModelStreamInferResponse(infer_response=answer))
-                return
-            failed = pb.ModelStreamInferResponse(error_message=f"{grpc_code(answer[0]).name}: "
-                                                 f"{answer[1]}")  # fmt: skip
-            failed.infer_response.model_name = request.model_name
-            failed.infer_response.id = request.id
-            answers.put_nowait(failed)
+            reply = pb.ModelStreamInferResponse()
+            answer = await self._answer(request, context.time_remaining(), reply.infer_response)
+            if isinstance(answer, tuple):
+                reply.error_message = f"{grpc_code(answer[0]).name}: {answer[1]}"
+                reply.infer_response.model_name = request.model_name
+                reply.infer_response.id = request.id
+            answers.put_nowait(reply)
 
         try:
             async for request in requests:
@@ -317,7 +323,10 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             answers.put_nowait(None)
 
     async def _answer(
-        self, request: pb.ModelInferRequest, remaining: float | None
+        self,
+        request: pb.ModelInferRequest,
+        remaining: float | None,
+        into: pb.ModelInferResponse | None = None,
     ) -> pb.ModelInferResponse | tuple[int, str]:
         """The response to one infer request, or (HTTP status, message) of its failure; counted
         in the model's metrics either way."""
@@ -331,7 +340,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         slot.inflight += 1  # the version stays in service until this call is answered
         outcome = "error"
         try:
-            response = await self._infer(slot, request, remaining)
+            response = await self._infer(slot, request, remaining, into)
             outcome = "ok"
             series.latency.observe(time.perf_counter() - started)
             return response
@@ -344,7 +353,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             series.requests[outcome].inc()
 
     async def _infer(
-        self, slot: Slot, request: Any, remaining: float | None
+        self, slot: Slot, request: Any, remaining: float | None, into: Any = None
     ) -> pb.ModelInferResponse:
         slot.batcher.check_admission()
         req = request_tensors(request, self.state.settings.max_body_bytes)
@@ -352,7 +361,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         outputs, parameters = await infer_tensors(
             self.state, slot, req, None if math.isinf(timeout_s) else max(timeout_s, 1e-3)
         )
-        return response_message(slot.model, req, outputs, parameters)
+        return response_message(slot.model, req, outputs, parameters, into)
 
     async def _slot(self, name: str, version: str, context: Any) -> Slot:
         try:
