@@ -573,6 +573,8 @@ def render_files(paths: list[Path], out: Path | None, avx2: Path | None = None) 
         manifest = Path(r.get("work") or "/nonexistent") / "run" / "manifest.json"
         if manifest.is_file():
             r.update(summarize(json.loads(manifest.read_text())))
+        if (r.get("peers") or {}).get("rows"):  # the verdict again, by the current rule
+            r["peers"]["verdict"] = zoo_peers.verdict(r["peers"])
     order = [m.name for m in MODELS if m.name in merged]
     results = [merged[n] for n in order + sorted(set(merged) - set(order))]
     quick = any(d["quick"] for d in docs)
