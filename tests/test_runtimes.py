@@ -129,13 +129,25 @@ def test_runtime_auto_measures_every_pair_and_serves_the_pick(
     assert m["runtimes"]["openvino"]["settings"]["ENABLE_HYPER_THREADING"] is False
     assert m["runtimes"]["onnxruntime"]["settings"]["intra_op_num_threads"] == 1
     by_name = {c["name"]: c for c in m["candidates"]}
+    # a pair whose median could no longer fall below a contender's leaves the final benchmark
+    # early, and the manifest says so; the others run every round, or until one pair is left
+    stopped = run.extra["measurement_conditions"].get("rounds_stopped", {})
+    most = max(
+        f["latency_ms"]["rounds"]
+        for c in m["candidates"]
+        for f in (c.get("runtimes") or {}).values()
+        if "latency_ms" in f
+    )
     for name in ("fp32-onnx", "quantize", "quantize-nncf"):
         runtimes = by_name[name]["runtimes"]
         assert set(runtimes) == {"onnxruntime", "openvino"}, name
         verdicts = by_name[name]["meta"].get("runtime_verdicts", {})
         for rt, f in runtimes.items():
             if name == "fp32-onnx" or verdicts[rt]["accepted"]:  # can be the pick: timed
-                assert f["latency_ms"]["rounds"] == 4 and f["fidelity"]["cosine_mean"] > 0.9
+                rounds = f["latency_ms"]["rounds"]
+                left = rounds == most or pair_name(rt, name) in stopped
+                assert rounds == 4 or (1 <= rounds < 4 and left), name
+                assert f["fidelity"]["cosine_mean"] > 0.9
             else:  # rejected there by its accept/reject test: never the pick, not timed again
                 assert "latency_ms" not in f and ("not_timed" in f or "failed" in f)
     assert set(by_name["quantize"]["meta"]["runtime_verdicts"]) == {"onnxruntime", "openvino"}

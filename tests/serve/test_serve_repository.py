@@ -144,6 +144,9 @@ def test_a_rollout_under_load_drops_no_request_and_in_flight_requests_finish(
         senders = [threading.Thread(target=traffic) for _ in range(3)]
         for t in senders:
             t.start()
+        started = time.monotonic() + 30  # version 1 answers before the rollout starts
+        while versions.count("1") < 5 and time.monotonic() < started:
+            time.sleep(0.01)
         (root / "tiny" / "2").mkdir()
         (root / "tiny" / "2" / "model.onnx").write_bytes((model_dir / "tiny.onnx").read_bytes())
         assert (
