@@ -32,9 +32,16 @@ def ray_url(model_dir: Path) -> Iterator[str]:
     from slimline.serve.ray import build_ray_app
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in (1, 2):  # Ray's own controller can die while starting on a loaded machine
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except ray.exceptions.RayActorError:
+            ray.shutdown()
+            if attempt == 2:
+                raise
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         settings = ServeSettings(batching=BatcherConfig(max_batch_size=4), threads=1)
         app = build_ray_app([model_dir / "tiny.onnx"], settings, replicas=2, cpus_per_replica=0.5)
         serve.run(app, name="slimline", route_prefix="/")
