@@ -9,12 +9,12 @@ appends the others to ``ctx.alternatives`` with ``accepted=False`` and a measure
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cache import StepCache
-from .candidate import Candidate
+from .candidate import Candidate, is_ir, quantizable_graph
 from .config import StepConfig
 from .cpu import detect as detect_cpu
 from .paths import cache_dir
@@ -22,6 +22,7 @@ from .recipe import Recipe
 from .record import data_hash, json_hash, package_versions
 from .steps import spec_for
 from .task import Task
+from .tensors import frozen_inputs
 
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
@@ -97,6 +98,14 @@ class StepContext:
     @property
     def threads(self) -> int:
         return self.recipe.target.threads
+
+    def for_candidate(self, cand: Candidate) -> StepContext:
+        """This context for a step on ``cand``: where the graph step froze inputs into it, the
+        task's data and signature without them (the step's tools feed the graph directly)."""
+        if cand.onnx is None or is_ir(cand.onnx):
+            return self
+        frozen = frozen_inputs(quantizable_graph(cand))
+        return replace(self, task=self.task.without_inputs(frozen)) if frozen else self
 
     def step_cache(self) -> StepCache:
         """Where a step keeps results and resumable state beyond its own cache entry."""

@@ -70,7 +70,7 @@ def cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
 
 
 def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[str, Any]:
-    ctx = step_context(run, workdir)
+    ctx = step_context(run, workdir).for_candidate(cand)
     try:
         out = handler_for(cfg)(cfg, cand, ctx)
     except Exception as err:
