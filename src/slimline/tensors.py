@@ -97,15 +97,15 @@ def frozen_from_json(text: str | None) -> dict[str, np.ndarray]:
 
 
 def frozen_inputs(path: Path | str) -> dict[str, np.ndarray]:
-    """The inputs an ONNX file (or an OpenVINO IR, in its ``rt_info``) was frozen for."""
+    """The inputs an ONNX file (or an OpenVINO IR, in its ``rt_info`` entry
+    ``slimline_constant_inputs``) was frozen for."""
     path = Path(path)
     if path.suffix == ".xml":
         import re
+        from html import unescape
 
         text = path.read_text(errors="replace")  # the IR's rt_info is plain XML
         m = re.search(r'<slimline_constant_inputs value="([^"]*)"', text)
-        from html import unescape
-
         return frozen_from_json(unescape(m.group(1))) if m else {}
     import onnx
 
