@@ -22,8 +22,8 @@ from slimline.errors import InputMismatchError, ProtocolError, RecipeError
 from slimline.measure.runners import OrtRunner
 from slimline.onnx_task import suggest_constants
 from slimline.recipe import recipe_from_dict
-from slimline.serve.model import FakeBackend, ServedModel, TensorSpec
-from slimline.serve.protocol import validate_inputs
+from slimline.serve.model import FakeBackend, ServedModel, TensorSpec, load_served_models
+from slimline.serve.protocol import model_metadata, validate_inputs
 from slimline.task import load_task
 from slimline.tensors import frozen_inputs
 
@@ -153,6 +153,14 @@ def test_server_drops_the_frozen_input_and_refuses_another_value() -> None:
     with pytest.raises(ProtocolError, match=r"input 'sr' = 16000.*sends 8000") as info:
         validate_inputs(model, {"x": x, "sr": np.array(8000)}, max_batch=8, allow_nonfinite=False)
     assert info.value.status == 400
+
+
+def test_a_served_frozen_file_says_what_it_was_frozen_for(tmp_path: Path) -> None:
+    const = {"sr": np.array(16000, np.int64)}
+    out, _ = freeze_and_fold(if_model(tmp_path / "m.onnx"), tmp_path / "f.onnx", const, None, 1)
+    (model,) = load_served_models([out])
+    assert model.frozen["sr"].tolist() == 16000 and [s.name for s in model.backend.inputs] == ["x"]
+    assert model_metadata(model)["parameters"] == {"constant_inputs": {"sr": 16000}}
 
 
 def _recipe(tmp_path: Path, steps: list[Any]) -> dict[str, Any]:
