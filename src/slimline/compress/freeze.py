@@ -99,7 +99,7 @@ def freeze_and_fold(
 ) -> tuple[Path, dict[str, Any]]:
     """(the graph to optimize next: ``dst``, or ``src`` where the pass changed nothing or
     failed; the record: ``frozen``, ``if_before``, ``if_folded``, ``fold``)."""
-    model = onnx.load(str(src))
+    model = onnx.load(str(src), load_external_data=False)  # the weights only where needed
     takes = {i.name for i in model.graph.input}
     already = frozen_inputs(src)  # a graph frozen by an earlier graph step keeps its record
     frozen = {k: np.asarray(v) for k, v in constants.items() if k in takes}
@@ -112,6 +112,7 @@ def freeze_and_fold(
     if not frozen and before == 0:
         record["fold"] = "not run: no If node and no constant input"
         return src, record
+    onnx.load_external_data_for_model(model, str(src.parent))
     _freeze(model, frozen)
     try:
         out = _fold(model)
