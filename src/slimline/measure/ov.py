@@ -208,7 +208,7 @@ class OvRunner(RowwiseRunner):
         return req
 
     def call(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        feed = {k: np.ascontiguousarray(v) for k, v in self.fit(inputs).items()}
+        feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
         result = self._request().infer(feed)  # copies the outputs (share_outputs=False)
         return {
             n: np.asarray(result[p])

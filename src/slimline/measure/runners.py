@@ -240,9 +240,8 @@ class OrtRunner(RowwiseRunner):
         return {o.name: list(o.shape) for o in self.session.get_outputs()}
 
     def call(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        """One session call, no batching."""
-        feed = self.fit(inputs)
-        return dict(zip(self.output_names, self.session.run(None, feed), strict=True))
+        """One session call, no batching (on inputs :meth:`fit` to the model)."""
+        return dict(zip(self.output_names, self.session.run(None, inputs), strict=True))
 
 
 class TorchRunner:
