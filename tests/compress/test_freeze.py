@@ -3,18 +3,16 @@ dropped from every feed that still carries it: runners, the task's data, the ser
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import onnx
 import pytest
-import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from slimline import api
-from slimline.cli import main
 from slimline.compress.freeze import count_if, freeze_and_fold
 from slimline.compress.graph import GraphConfig
 from slimline.compress.quant.config import QuantizeConfig
@@ -22,6 +20,7 @@ from slimline.errors import InputMismatchError, ProtocolError, RecipeError
 from slimline.measure.runners import OrtRunner
 from slimline.onnx_task import suggest_constants
 from slimline.recipe import recipe_from_dict
+from slimline.serve import BatcherConfig, ServeSettings, run_in_thread
 from slimline.serve.model import FakeBackend, ServedModel, TensorSpec, load_served_models
 from slimline.serve.protocol import model_metadata, validate_inputs
 from slimline.task import load_task
@@ -163,6 +162,33 @@ def test_a_served_frozen_file_says_what_it_was_frozen_for(tmp_path: Path) -> Non
     assert model_metadata(model)["parameters"] == {"constant_inputs": {"sr": 16000}}
 
 
+def _body(x: np.ndarray, sr: int | None) -> dict[str, Any]:
+    inputs = [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]
+    if sr is not None:
+        inputs.append({"name": "sr", "shape": [], "datatype": "INT64", "data": [sr]})
+    return {"inputs": inputs}
+
+
+def test_serving_a_frozen_file_over_http(tmp_path: Path) -> None:
+    src = if_model(tmp_path / "m.onnx")
+    const = {"sr": np.array(16000, np.int64)}
+    out, _ = freeze_and_fold(src, tmp_path / "vad.onnx", const, None, 1)
+    x = _rows(2)["x"]
+    want = OrtRunner("a", src, 1).run(_rows(2))
+    settings = ServeSettings(port=0, batching=BatcherConfig(max_batch_size=4))
+    with (
+        run_in_thread(load_served_models([out]), settings) as url,
+        httpx.Client(base_url=url, timeout=10) as client,
+    ):
+        for sr in (16000, None):  # the frozen value is dropped; leaving it out is fine
+            r = client.post("/v2/models/vad/infer", json=_body(x, sr))
+            assert r.status_code == 200, r.text
+            got = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(want.shape)
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        r = client.post("/v2/models/vad/infer", json=_body(x, 8000))
+        assert r.status_code == 400 and "'sr' = 16000" in r.text and "8000" in r.text
+
+
 def _recipe(tmp_path: Path, steps: list[Any]) -> dict[str, Any]:
     return {
         "name": "ifm",
@@ -176,28 +202,18 @@ def _recipe(tmp_path: Path, steps: list[Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_optimize_freezes_the_declared_input_end_to_end(
-    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("SLIMLINE_CACHE", str(cache))
-    path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(_recipe(tmp_path, [{"graph": {}}])))
-    out = tmp_path / "run"
-    assert main(["optimize", str(path), "--out", str(out)]) == 0
-    m = json.loads((out / "manifest.json").read_text())
-    assert m["status"] == "complete" and m["task"]["constant_inputs"] == {"sr": 16000}
-    graph = next(c for c in m["candidates"] if c["name"] == "graph")
-    assert graph["meta"]["frozen"] == {"sr": 16000} and graph["meta"]["if_folded"] == 1
-    assert graph["fidelity"]["cosine_mean"] > 0.9999
-    assert "sr" in frozen_inputs(out / graph["artifact"])
-
-
 def test_a_step_after_the_graph_step_gets_data_without_the_frozen_input(tmp_path: Path) -> None:
     """The quantize step calibrates by feeding the folded graph the task's rows directly."""
     rec = recipe_from_dict(_recipe(tmp_path, [{"graph": {}}, {"quantize": {"samples": 16}}]))
     task = load_task(rec.task, rec.samples, constant_inputs=rec.constant_inputs)
     ctx = api.context_for(task, rec, tmp_path / "w", timed=False)
     graph = api.run_step(ctx, GraphConfig(), ctx.baseline)
+    assert graph.meta["frozen"] == {"sr": 16000} and graph.meta["if_folded"] == 1
     int8 = api.run_step(ctx, QuantizeConfig(mode="static", samples=16), graph)
     assert int8.onnx is not None and "sr" in frozen_inputs(int8.onnx)
     assert api.evaluate(ctx, int8).cosine_mean > 0.99
+
+
+def test_constant_inputs_belong_to_an_onnx_task() -> None:
+    with pytest.raises(RecipeError, match="constant_inputs applies to an ONNX task"):
+        recipe_from_dict({"name": "m", "task": "mnist", "constant_inputs": {"sr": 16000}})
