@@ -113,8 +113,8 @@ def _suggest_kinds(run: Any) -> None:
         line = suggest(name, values)
         if line:
             print(f"suggestion: {line}")
-    if run.task.is_onnx:  # inputs that look constant (onnx_task.suggest_constants)
-        from .onnx_task import suggest_constants
+    if run.task.is_onnx:  # inputs that look constant (constant_inputs.suggest_constants)
+        from .constant_inputs import suggest_constants
 
         for line in suggest_constants(run.task):
             print(f"suggestion: {line}")

@@ -16,9 +16,9 @@ from slimline import api
 from slimline.compress.freeze import count_if, freeze_and_fold
 from slimline.compress.graph import GraphConfig
 from slimline.compress.quant.config import QuantizeConfig
+from slimline.constant_inputs import suggest_constants
 from slimline.errors import InputMismatchError, ProtocolError, RecipeError
 from slimline.measure.runners import OrtRunner
-from slimline.onnx_task import suggest_constants
 from slimline.recipe import recipe_from_dict
 from slimline.serve import BatcherConfig, ServeSettings, run_in_thread
 from slimline.serve.model import FakeBackend, ServedModel, TensorSpec, load_served_models
