@@ -107,6 +107,13 @@ def frozen_inputs(path: Path | str) -> dict[str, np.ndarray]:
         text = path.read_text(errors="replace")  # the IR's rt_info is plain XML
         m = re.search(r'<slimline_constant_inputs value="([^"]*)"', text)
         return frozen_from_json(unescape(m.group(1))) if m else {}
+    import mmap
+
+    if path.stat().st_size == 0:  # not a model: its loader says so
+        return {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        if raw.find(FROZEN_KEY.encode()) < 0:  # most files: no need to parse the graph
+            return {}
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
