@@ -22,7 +22,7 @@ from .recipe import Recipe
 from .record import data_hash, json_hash, package_versions
 from .steps import spec_for
 from .task import Task
-from .tensors import frozen_inputs
+from .tensors import frozen_inputs, record_frozen
 
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
@@ -94,6 +94,8 @@ class StepContext:
     compare_fn: Compare | None = None
     evaluate_rows_fn: EvaluateRows | None = None
     compare_retiring_fn: CompareRetiring | None = None
+    # inputs frozen into the step's input candidate (see for_candidate)
+    frozen: dict[str, Any] = field(default_factory=dict)
 
     @property
     def threads(self) -> int:
@@ -105,7 +107,19 @@ class StepContext:
         if cand.onnx is None or is_ir(cand.onnx):
             return self
         frozen = frozen_inputs(quantizable_graph(cand))
-        return replace(self, task=self.task.without_inputs(frozen)) if frozen else self
+        if not frozen:
+            return self
+        return replace(self, task=self.task.without_inputs(frozen), frozen=frozen)
+
+    def keep_frozen(self, cands: list[Candidate]) -> None:
+        """Record the input's frozen inputs in each ONNX file a step wrote anew without them
+        (so runners and the server still drop them from feeds that carry them)."""
+        for c in cands:  # only the step's own files: an earlier entry's file stays as it is
+            if self.frozen and c.onnx is not None and self._writes(Path(c.onnx)):
+                record_frozen(c.onnx, self.frozen)
+
+    def _writes(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.workdir.resolve())
 
     def step_cache(self) -> StepCache:
         """Where a step keeps results and resumable state beyond its own cache entry."""

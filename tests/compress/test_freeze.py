@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from slimline import api
+from slimline.candidate import Candidate
 from slimline.compress.freeze import count_if, freeze_and_fold
 from slimline.compress.graph import GraphConfig
 from slimline.compress.quant.config import QuantizeConfig
@@ -211,6 +212,13 @@ def test_a_step_after_the_graph_step_gets_data_without_the_frozen_input(tmp_path
     assert graph.meta["frozen"] == {"sr": 16000} and graph.meta["if_folded"] == 1
     int8 = api.run_step(ctx, QuantizeConfig(mode="static", samples=16), graph)
     assert int8.onnx is not None and "sr" in frozen_inputs(int8.onnx)
+    # a step that writes its graph anew (a QAT export) gets the record back
+    fitted = ctx.for_candidate(graph)
+    anew = onnx.load(str(int8.onnx))
+    del anew.metadata_props[:]
+    onnx.save(anew, tmp_path / "w" / "anew.onnx")
+    fitted.keep_frozen([Candidate("qat", "qat", "graph", onnx=tmp_path / "w" / "anew.onnx")])
+    assert "sr" in frozen_inputs(tmp_path / "w" / "anew.onnx")
     assert api.evaluate(ctx, int8).cosine_mean > 0.99
 
 

@@ -73,6 +73,7 @@ def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[
     ctx = step_context(run, workdir).for_candidate(cand)
     try:
         out = handler_for(cfg)(cfg, cand, ctx)
+        ctx.keep_frozen([out, *ctx.alternatives])
     except Exception as err:
         if is_user_error(err):
             raise
