@@ -70,6 +70,8 @@ class ZooModel:
     budget: dict[str, Any] = field(default_factory=dict)
     # output name -> declaration (docs/fidelity.md), with what the task sees in it
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # input name -> its one value in deployment (the recipe's constant_inputs)
+    constant_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 MODELS = [
@@ -112,6 +114,7 @@ MODELS = [
         "two outputs (probability, new state), audio",
         zi.silero_vad_inputs,
         quick=True,
+        constant_inputs={"sr": 16000},  # silero's own OnnxWrapper feeds 16 kHz, as the samples do
     ),
     ZooModel(
         "akiki-vad",
@@ -259,6 +262,8 @@ def recipe(m: ZooModel, model: Path, work: Path, quick: bool) -> dict[str, Any]:
     }
     if m.outputs:
         doc["outputs"] = m.outputs
+    if m.constant_inputs and "constant_inputs" in Recipe.model_fields:
+        doc["constant_inputs"] = m.constant_inputs
     if m.task is not None:
         doc["task"] = str(Path(__file__).resolve().parent / m.task)
         del doc["samples"]

@@ -128,7 +128,9 @@ def test_a_key_changes_with_the_steps_version_config_and_packages(
     assert _key(key_run, graph) != before
     monkeypatch.setattr(metadata, "version", real_version)
     spec = registry.spec_for(GraphConfig)
-    monkeypatch.setitem(registry._SPECS, _GRAPH, dataclasses.replace(spec, version=2))
+    monkeypatch.setitem(
+        registry._SPECS, _GRAPH, dataclasses.replace(spec, version=spec.version + 1)
+    )
     assert _key(key_run, graph) != before
 
 
@@ -167,7 +169,9 @@ def test_a_changed_step_version_reruns_only_that_step(
     assert "step export: reusing" in caplog.text and "step graph: reusing" in caplog.text
     caplog.clear()
     spec = registry.spec_for(GraphConfig)
-    monkeypatch.setitem(registry._SPECS, _GRAPH, dataclasses.replace(spec, version=2))
+    monkeypatch.setitem(
+        registry._SPECS, _GRAPH, dataclasses.replace(spec, version=spec.version + 1)
+    )
     run_graph("c")
     assert "step export: reusing" in caplog.text and "step graph: running" in caplog.text
 

@@ -233,7 +233,13 @@ def _optimize(tmp_path: Path, recipe: Path, cache: Path, monkeypatch: pytest.Mon
 def test_recurrent_model_end_to_end(
     tmp_path: Path, recurrent: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    m = _optimize(tmp_path, _recipe(tmp_path, recurrent, recurrent_samples(48)), cache, monkeypatch)
+    recipe = _recipe(tmp_path, recurrent, recurrent_samples(48))
+    doc = yaml.safe_load(recipe.read_text())  # the sample rate frozen by the graph step
+    recipe.write_text(yaml.safe_dump({**doc, "constant_inputs": {"sr": 16000}}))
+    m = _optimize(tmp_path, recipe, cache, monkeypatch)
+    assert m["task"]["constant_inputs"] == {"sr": 16000}
+    graph = next(c for c in m["candidates"] if c["name"] == "graph")
+    assert graph["meta"]["frozen"] == {"sr": 16000}
     sig = m["task"]["signature"]
     assert sig["inputs"]["state"] == {"batch_axis": 1} and sig["inputs"]["sr"] == {
         "batch_axis": None

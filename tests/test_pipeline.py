@@ -34,7 +34,7 @@ def test_full_run_writes_manifest_artifacts_report(
     assert set(m["hashes"]) == {"model", "calibration_data", "eval_data"}
     assert all(v.startswith("sha256:") for v in m["hashes"].values())
     assert {"slimline", "python", "torch", "onnx", "onnxruntime"} <= set(m["versions"])
-    assert m["step_versions"] == {"export": 3, "graph": 1}  # what each cached step ran
+    assert m["step_versions"] == {"export": 3, "graph": 2}  # what each cached step ran
     assert m["environment"] == environment_record()  # the packages against the repository's lock
     names = [c["name"] for c in m["candidates"]]
     assert names[:2] == ["fp32-torch", "fp32-onnx"] and "graph" in names

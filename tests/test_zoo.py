@@ -96,6 +96,10 @@ def test_every_declaration_names_an_output_and_validates(bench: ModuleType, tmp_
             assert name in names, f"{m.name}: {name} is not an output ({sorted(names)})"
             if isinstance(decl, BoxesOutput):
                 assert callable(load_hook(decl.decode, f"{m.name} decode"))
+    for m in (m for m in bench.MODELS if m.constant_inputs):  # e.g. silero-vad's sample rate
+        graph = onnx.load(str(bench.model_path(m)), load_external_data=False).graph
+        recipe = recipe_from_dict(bench.recipe(m, bench.model_path(m), tmp_path, False), m.name)
+        assert set(recipe.constant_inputs) <= {i.name for i in graph.input}, m.name
 
 
 def _row(name: str, ratio: float, band: tuple[float, float], ok: bool = True) -> dict[str, Any]:

@@ -71,7 +71,10 @@ def run_step(
     ``ctx.workdir / cfg.kind``). Warnings and rejected alternatives go to ``ctx``'s lists."""
     where = Path(workdir) if workdir is not None else ctx.workdir / cfg.kind
     where.mkdir(parents=True, exist_ok=True)
-    return handler_for(cfg)(cfg, cand, replace(ctx, workdir=where))
+    fitted = replace(ctx, workdir=where).for_candidate(cand)
+    out = handler_for(cfg)(cfg, cand, fitted)
+    fitted.keep_frozen([out, *fitted.alternatives])
+    return out
 
 
 def export(

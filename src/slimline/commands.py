@@ -104,14 +104,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _suggest_kinds(run: Any) -> None:
-    """One line per output that looks like a kind (:func:`slimline.outputs.suggest`): a
-    suggestion to declare it, never applied."""
+    """One line per output that looks like a kind (:func:`slimline.outputs.suggest`), and per
+    input that looks constant: a suggestion to declare it, never applied."""
     from .outputs import suggest
 
     outputs = (run.reference.all_outputs if run.reference else None) or {}
     for name, values in outputs.items():
         line = suggest(name, values)
         if line:
+            print(f"suggestion: {line}")
+    if run.task.is_onnx:  # inputs that look constant (constant_inputs.suggest_constants)
+        from .constant_inputs import suggest_constants
+
+        for line in suggest_constants(run.task):
             print(f"suggestion: {line}")
 
 

@@ -9,12 +9,12 @@ appends the others to ``ctx.alternatives`` with ``accepted=False`` and a measure
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cache import StepCache
-from .candidate import Candidate
+from .candidate import Candidate, is_ir, quantizable_graph
 from .config import StepConfig
 from .cpu import detect as detect_cpu
 from .paths import cache_dir
@@ -22,6 +22,7 @@ from .recipe import Recipe
 from .record import data_hash, json_hash, package_versions
 from .steps import spec_for
 from .task import Task
+from .tensors import frozen_inputs, record_frozen
 
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
@@ -93,10 +94,32 @@ class StepContext:
     compare_fn: Compare | None = None
     evaluate_rows_fn: EvaluateRows | None = None
     compare_retiring_fn: CompareRetiring | None = None
+    # inputs frozen into the step's input candidate (see for_candidate)
+    frozen: dict[str, Any] = field(default_factory=dict)
 
     @property
     def threads(self) -> int:
         return self.recipe.target.threads
+
+    def for_candidate(self, cand: Candidate) -> StepContext:
+        """This context for a step on ``cand``: where the graph step froze inputs into it, the
+        task's data and signature without them (the step's tools feed the graph directly)."""
+        if cand.onnx is None or is_ir(cand.onnx):
+            return self
+        frozen = frozen_inputs(quantizable_graph(cand))
+        if not frozen:
+            return self
+        return replace(self, task=self.task.without_inputs(frozen), frozen=frozen)
+
+    def keep_frozen(self, cands: list[Candidate]) -> None:
+        """Record the input's frozen inputs in each ONNX file a step wrote anew without them
+        (so runners and the server still drop them from feeds that carry them)."""
+        for c in cands:  # only the step's own files: an earlier entry's file stays as it is
+            if self.frozen and c.onnx is not None and self._writes(Path(c.onnx)):
+                record_frozen(c.onnx, self.frozen)
+
+    def _writes(self, path: Path) -> bool:
+        return path.resolve().is_relative_to(self.workdir.resolve())
 
     def step_cache(self) -> StepCache:
         """Where a step keeps results and resumable state beyond its own cache entry."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .constant_inputs import constant_values
 from .errors import DataError, InputMismatchError, ModelFileError, RecipeError
 from .hooks import load_hook
 from .signature import (
@@ -32,6 +33,7 @@ from .signature import (
     concat_outputs,
     n_rows,
     rows_first,
+    shown,
     slice_rows,
     split_rows,
 )
@@ -72,16 +74,6 @@ def _free(d: Dim) -> bool:
 
 def _can_batch(d: Dim) -> bool:
     return _free(d) or d == 1
-
-
-def shown(model: ModelInput, axis: int | None) -> str:
-    """``float32 [2, batch, 128]``: the model's shape with its batch axis named ``batch``."""
-    if not model.dims:
-        return f"{model.dtype} scalar"
-    dims = [
-        "batch" if a == axis else ("?" if d is None else str(d)) for a, d in enumerate(model.dims)
-    ]
-    return f"{model.dtype} [{', '.join(dims)}]"
 
 
 def _mismatch(
@@ -415,6 +407,7 @@ def onnx_task(
     batch_axes: Mapping[str, int | None] | None = None,
     primary_output: str | None = None,
     metric: str | None = None,
+    constant_inputs: Mapping[str, Any] | None = None,
 ) -> Task:
     from .measure.runners import OrtRunner
 
@@ -435,6 +428,9 @@ def onnx_task(
     assert primary is not None
     if labels is not None:
         _check_labels(labels, n_rows(evaluation, sig), eval_samples)
+    constants = constant_values(
+        runner.model_inputs, sig, constant_inputs or {}, {samples.name: calibration,
+        (eval_samples or samples).name: evaluation})  # fmt: skip
 
     def batches(rows: Inputs) -> Iterator[Inputs]:
         return split_rows(rows, _BATCH, sig)
@@ -465,6 +461,7 @@ def onnx_task(
         signature=sig,
         notes=notes,
         metric_hook=load_hook(metric, "metric") if metric else None,
+        constant_inputs=constants,
     )
 
 

@@ -38,6 +38,9 @@ __all__ = [
 
 RECIPE_VERSION: Literal[1] = 1
 
+# a constant input's value: a number, a bool, or a (nested) list of them
+ConstantValue = int | float | bool | list[Any]
+
 
 S = TypeVar("S", bound=StepConfig)
 
@@ -140,6 +143,11 @@ class Recipe(Config):
         description="output name -> its kind (logits, probability_map, ctc, boxes); "
         "undeclared outputs are judged by cosine",
     )
+    constant_inputs: dict[str, ConstantValue] = Field(
+        default_factory=dict,
+        description="ONNX task: input name -> the one value it takes in deployment (e.g. a "
+        "sample rate); the graph step freezes it into the model and folds what it decides",
+    )
     target: TargetConfig = Field(default_factory=TargetConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
@@ -208,9 +216,10 @@ class Recipe(Config):
 
     @model_validator(mode="after")
     def _onnx_keys_need_onnx(self) -> Recipe:
-        onnx_only = {"eval_samples": self.eval_samples, "inputs": self.inputs}
+        onnx_only: dict[str, Any] = {"eval_samples": self.eval_samples, "inputs": self.inputs}
         onnx_only["primary_output"] = self.primary_output
         onnx_only["metric"] = self.metric
+        onnx_only["constant_inputs"] = self.constant_inputs
         given = [k for k, v in onnx_only.items() if v]
         if given and not self.task.endswith(".onnx"):
             raise ValueError(

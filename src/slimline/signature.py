@@ -23,6 +23,7 @@ __all__ = [
     "concat_rows",
     "n_rows",
     "rows_first",
+    "shown",
     "slice_rows",
     "split_rows",
     "tile_rows",
@@ -63,6 +64,16 @@ class Signature:
 
     def allows(self, batch: int) -> bool:
         return self.max_batch is None or batch <= self.max_batch
+
+
+def shown(model: ModelInput, axis: int | None) -> str:
+    """``float32 [2, batch, 128]``: the model's shape with its batch axis named ``batch``."""
+    if not model.dims:
+        return f"{model.dtype} scalar"
+    dims = [
+        "batch" if a == axis else ("?" if d is None else str(d)) for a, d in enumerate(model.dims)
+    ]
+    return f"{model.dtype} [{', '.join(dims)}]"
 
 
 def batch_axis(sig: Signature | None, name: str) -> int | None:

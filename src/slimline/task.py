@@ -58,10 +58,12 @@ def load_task(
     primary_output: str | None = None,
     outputs: Mapping[str, OutputDecl] | None = None,
     metric: str | None = None,
+    constant_inputs: Mapping[str, Any] | None = None,
 ) -> Task:
     """Load a task from an example name, a task ``.py`` file, or an ``.onnx`` file + samples;
     ``outputs`` declares how outputs are judged (:mod:`slimline.outputs`), ``metric`` is an ONNX
-    task's metric hook (``file.py:function``)."""
+    task's metric hook (``file.py:function``), ``constant_inputs`` an ONNX task's inputs that
+    take one value in deployment (checked against the model and the samples)."""
     from .measure.judge import Judge
 
     if spec.endswith(".onnx"):
@@ -74,6 +76,7 @@ def load_task(
             batch_axes=batch_axes,
             primary_output=primary_output,
             metric=metric,
+            constant_inputs=constant_inputs,
         )
     elif metric is not None:
         raise TaskError(

@@ -6,8 +6,8 @@ without depending on each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import DataError
 from .signature import Signature
-from .tensors import Inputs, take_samples
+from .tensors import Inputs, drop_frozen, take_samples
 
 if TYPE_CHECKING:
     from .measure.judge import Judge
@@ -46,6 +46,9 @@ class Task:
     # a metric hook (an ONNX task's ``metric: file.py:function``): called on every output (rows
     # first, by name) and the labels instead of ``metric``; its failure rejects a candidate
     metric_hook: Callable[[dict[str, np.ndarray], Any], float] | None = None
+    # the recipe's constant_inputs, checked against the model and the samples: input name ->
+    # its one value (the graph step freezes them into the model)
+    constant_inputs: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_onnx(self) -> bool:
@@ -65,6 +68,27 @@ class Task:
                 f"task {self.name}: calibration_data() yielded nothing; it must yield input batches"
             )
         return rows
+
+    def without_inputs(self, frozen: Mapping[str, np.ndarray]) -> Task:
+        """The task as a model with ``frozen`` inputs built in sees it: its data without those
+        inputs (each checked to carry the frozen value), its signature without them."""
+        if not frozen:
+            return self
+
+        def fit(inputs: Inputs) -> Inputs:
+            return drop_frozen(inputs, (), frozen, f"task {self.name}")
+
+        calibration, evaluation, train = self.calibration_data, self.eval_data, self.train_data
+        sig = self.signature
+        if sig is not None:
+            sig = replace(sig, inputs={k: v for k, v in sig.inputs.items() if k not in frozen})
+        return replace(
+            self,
+            calibration_data=lambda: (fit(b) for b in calibration()),
+            eval_data=lambda: ((fit(x), y) for x, y in evaluation()),
+            train_data=None if train is None else lambda: ((fit(x), y) for x, y in train()),
+            signature=sig,
+        )
 
     def extra(self, name: str, default: Any = None) -> Any:
         return getattr(self.module, name, default) if self.module is not None else default

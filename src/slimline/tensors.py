@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,9 +12,24 @@ import numpy as np
 from .errors import InputMismatchError
 from .signature import Signature, batch_axis, concat_rows, n_rows, slice_rows
 
-__all__ = ["Inputs", "check_inputs", "take_samples"]
+__all__ = [
+    "FROZEN_KEY",
+    "Inputs",
+    "check_inputs",
+    "drop_frozen",
+    "frozen_from_json",
+    "frozen_inputs",
+    "frozen_to_json",
+    "record_frozen",
+    "same_value",
+    "take_samples",
+]
 
 Inputs = dict[str, np.ndarray]
+
+# an ONNX metadata_props key: the inputs frozen into constants (the recipe's constant_inputs),
+# as JSON {name: {"dtype": ..., "value": ...}}, so a file served alone says what it was built for
+FROZEN_KEY = "slimline.constant_inputs"
 
 
 def take_samples(batches: Iterable[Inputs], n: int, sig: Signature | None = None) -> Inputs:
@@ -65,3 +82,88 @@ def check_inputs(
                 f"{where}: input {name!r} has shape {list(arr.shape)} but the model expects {shown}; "
                 "reshape the samples to match"
             )
+
+
+def frozen_to_json(frozen: Mapping[str, np.ndarray]) -> str:
+    return json.dumps(
+        {k: {"dtype": str(v.dtype), "value": v.tolist()} for k, v in sorted(frozen.items())}
+    )
+
+
+def frozen_from_json(text: str | None) -> dict[str, np.ndarray]:
+    """The frozen inputs a file's :data:`FROZEN_KEY` entry records (``{}`` for none)."""
+    if not text:
+        return {}
+    return {k: np.asarray(v["value"], dtype=v["dtype"]) for k, v in json.loads(text).items()}
+
+
+def frozen_inputs(path: Path | str) -> dict[str, np.ndarray]:
+    """The inputs an ONNX file (or an OpenVINO IR, in its ``rt_info`` entry
+    ``slimline_constant_inputs``) was frozen for."""
+    path = Path(path)
+    if path.suffix == ".xml":
+        import re
+        from html import unescape
+
+        text = path.read_text(errors="replace")  # the IR's rt_info is plain XML
+        m = re.search(r'<slimline_constant_inputs value="([^"]*)"', text)
+        return frozen_from_json(unescape(m.group(1))) if m else {}
+    import mmap
+
+    if path.stat().st_size == 0:  # not a model: its loader says so
+        return {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+        if raw.find(FROZEN_KEY.encode()) < 0:  # most files: no need to parse the graph
+            return {}
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return frozen_from_json(
+        next((p.value for p in model.metadata_props if p.key == FROZEN_KEY), None)
+    )
+
+
+def record_frozen(path: Path | str, frozen: Mapping[str, np.ndarray]) -> bool:
+    """Record ``frozen`` in an ONNX file that lacks the record but was built without those
+    inputs (a step that writes its graph anew, e.g. a QAT export of a frozen graph); True if
+    written. A file that still takes one of them is left alone."""
+    import onnx
+
+    path = Path(path)
+    if not frozen or path.suffix != ".onnx" or frozen_inputs(path):
+        return False
+    model = onnx.load(str(path), load_external_data=False)
+    if any(i.name in frozen for i in model.graph.input):
+        return False
+    model.metadata_props.add(key=FROZEN_KEY, value=frozen_to_json(frozen))
+    onnx.save(model, str(path))
+    return True
+
+
+def same_value(got: np.ndarray, frozen: np.ndarray) -> bool:
+    """Whether a fed array is the frozen value: equal elementwise, in any numeric dtype, with the
+    frozen shape or the same number of elements (``[16000]`` for a scalar)."""
+    got = np.asarray(got)
+    return got.size == frozen.size and bool(np.array_equal(got.reshape(frozen.shape), frozen))
+
+
+def drop_frozen(
+    inputs: Mapping[str, np.ndarray],
+    takes: Collection[str],
+    frozen: Mapping[str, np.ndarray],
+    where: str,
+) -> Inputs:
+    """``inputs`` without those a model no longer takes because they were frozen into it (the
+    task's samples still carry them). A frozen input fed a different value raises
+    :class:`InputMismatchError` naming the input and the value the model was built for."""
+    out: Inputs = {}
+    for name, arr in inputs.items():
+        if name in takes or name not in frozen:
+            out[name] = arr
+        elif not same_value(arr, frozen[name]):
+            raise InputMismatchError(
+                f"{where}: input {name!r} was frozen to {frozen[name].tolist()} (the recipe's "
+                f"constant_inputs) but is fed {np.asarray(arr).tolist()!s:.80}; send "
+                f"{frozen[name].tolist()} or leave the input out"
+            )
+    return out

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MemoryBudgetError, SlimlineError
+from ..tensors import FROZEN_KEY, drop_frozen, frozen_from_json
 from .setting import MemorySetting, session_path
 
 __all__ = [
@@ -317,6 +318,9 @@ def _worker(argv: list[str]) -> Row:
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as `serve` runs it
     setting.apply(so)
     sess = ort.InferenceSession(a.onnx, so, providers=["CPUExecutionProvider"])
+    frozen = frozen_from_json(sess.get_modelmeta().custom_metadata_map.get(FROZEN_KEY))
+    takes = {i.name for i in sess.get_inputs()}
+    calls = [drop_frozen(c, takes, frozen, Path(a.onnx).name) for c in calls]
     run_options = setting.run_options()
     times: list[float] = []
     for call in calls:

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..task import Inputs
-from .runners import ort_session
+from ..tensors import drop_frozen
+from .runners import ort_session, session_frozen
 
 __all__ = ["aggregate", "kernel_events", "profile_ops"]
 
@@ -49,6 +50,8 @@ def profile_ops(
         raise ValueError(f"runs must be >= 1 and level one of {sorted(_LEVELS)}")
     with tempfile.TemporaryDirectory(prefix="slimline-prof-") as tmp:
         sess = _session(Path(onnx_path), threads, Path(tmp) / "ort", level)
+        takes = {i.name for i in sess.get_inputs()}
+        inputs = drop_frozen(inputs, takes, session_frozen(sess), Path(onnx_path).name)
         feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
         for _ in range(warmup + runs):
             sess.run(None, feed)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import CandidateError, ModelFileError, RuntimeMissingError
 from ..signature import ModelInput, Signature
-from ..tensors import Inputs
+from ..tensors import Inputs, frozen_inputs
 from .rowwise import RowwiseRunner
 
 __all__ = [
@@ -187,6 +187,7 @@ class OvRunner(RowwiseRunner):
             for n, p in zip(self.input_names, self.compiled.inputs, strict=True)
         }
         self.signature = signature
+        self.frozen = frozen_inputs(path)
         self._checked = False
         self._local = threading.local()
 

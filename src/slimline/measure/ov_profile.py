@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tensors import Inputs
+from ..tensors import Inputs, drop_frozen, frozen_inputs
 from .opprofile import aggregate
 from .ov import ov_compile, ov_version
 
@@ -23,6 +23,8 @@ def ov_profile_ops(
     ``brgconv_avx512_amx_I8`` or ``jit_avx512_I8``), which tells INT8 kernels from float ones."""
     compiled = ov_compile(path, threads, profile=True)
     request = compiled.create_infer_request()
+    takes = {n for p in compiled.inputs for n in p.get_names()}
+    inputs = drop_frozen(inputs, takes, frozen_inputs(path), Path(path).name)
     feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
     for _ in range(warmup):
         request.infer(feed)

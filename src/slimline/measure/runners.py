@@ -22,7 +22,7 @@ from ..candidate import Candidate, is_ir
 from ..errors import CandidateError, InputMismatchError, ModelFileError, SlimlineError
 from ..module_guard import eval_module, torch_threads
 from ..signature import ModelInput, Signature
-from ..tensors import Inputs
+from ..tensors import FROZEN_KEY, Inputs, frozen_from_json
 from .ov import OvRunner
 from .rowwise import RowwiseRunner
 
@@ -36,6 +36,7 @@ __all__ = [
     "make_runner",
     "ort_message",
     "ort_session",
+    "session_frozen",
     "session_input_spec",
 ]
 
@@ -203,6 +204,11 @@ def session_input_spec(sess: Any) -> dict[str, tuple[str, list[Any]]]:
     }
 
 
+def session_frozen(sess: Any) -> dict[str, np.ndarray]:
+    """The inputs a session's model was frozen for (its metadata, :data:`FROZEN_KEY`)."""
+    return frozen_from_json(sess.get_modelmeta().custom_metadata_map.get(FROZEN_KEY))
+
+
 class OrtRunner(RowwiseRunner):
     def __init__(
         self,
@@ -216,6 +222,7 @@ class OrtRunner(RowwiseRunner):
         self.name = name
         self.session = ort_session(path, threads, user_model=user_model)
         self.spec = session_input_spec(self.session)
+        self.frozen = session_frozen(self.session)
         self.signature = signature
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._checked = False
@@ -233,7 +240,7 @@ class OrtRunner(RowwiseRunner):
         return {o.name: list(o.shape) for o in self.session.get_outputs()}
 
     def call(self, inputs: Inputs) -> dict[str, np.ndarray]:
-        """One session call, no batching."""
+        """One session call, no batching (on inputs :meth:`fit` to the model)."""
         return dict(zip(self.output_names, self.session.run(None, inputs), strict=True))
 
 

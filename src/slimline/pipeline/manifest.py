@@ -36,6 +36,9 @@ def write_manifest(run: Run, status: str) -> None:
             "output_kind": task.output_kind,
             "inputs": _input_spec(run),
             "signature": task.signature.to_dict() if task.signature else None,
+            # inputs with one value in deployment: a candidate the graph step froze them into
+            # no longer takes them (its artifact records them in its metadata too)
+            "constant_inputs": {k: v.tolist() for k, v in task.constant_inputs.items()},
             "notes": task.notes,
         },
         "hashes": run.hashes,

@@ -85,6 +85,7 @@ def recipe_task(recipe: Recipe) -> Task:
         primary_output=recipe.primary_output,
         outputs=recipe.outputs,
         metric=recipe.metric,
+        constant_inputs=recipe.constant_inputs,
     )
 
 

@@ -70,9 +70,10 @@ def cached_step(run: Run, cfg: StepConfig, cand: Candidate) -> Candidate:
 
 
 def _execute(run: Run, cfg: StepConfig, cand: Candidate, workdir: Path) -> dict[str, Any]:
-    ctx = step_context(run, workdir)
+    ctx = step_context(run, workdir).for_candidate(cand)
     try:
         out = handler_for(cfg)(cfg, cand, ctx)
+        ctx.keep_frozen([out, *ctx.alternatives])
     except Exception as err:
         if is_user_error(err):
             raise

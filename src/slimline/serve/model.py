@@ -24,6 +24,7 @@ from ..edge.setting import MemorySetting, session_path
 from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
 from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
+from ..tensors import frozen_inputs
 
 __all__ = [
     "FakeBackend",
@@ -245,6 +246,9 @@ class ServedModel:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     cascade: Any = None  # a serve.cascade.Cascade: unsure rows go to a cloud model
+    # inputs frozen into the model (its file's metadata): a request may still send them, with
+    # the frozen value only, and they are dropped before the model runs
+    frozen: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def batchable(self) -> bool:
@@ -339,7 +343,10 @@ def load_served_models(
         backend = make_backend(
             onnx_path, threads, chosen, spinning=spinning, memory=setting, instances=instances
         )
-        models.append(ServedModel(name, backend, source=str(path), meta=meta))
+        frozen = frozen_inputs(onnx_path)
+        if frozen:
+            meta["constant_inputs"] = {k: v.tolist() for k, v in frozen.items()}
+        models.append(ServedModel(name, backend, source=str(path), meta=meta, frozen=frozen))
     return models
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from ..errors import ProtocolError
+from ..tensors import same_value
 from .model import ServedModel, TensorSpec
 
 __all__ = [
@@ -304,9 +305,11 @@ def _parse_outputs(value: Any) -> list[RequestedOutput] | None:
 # -- validation against the model -----------------------------------------------------------
 def validate_inputs(
     model: ServedModel, inputs: Tensors, *, max_batch: int, allow_nonfinite: bool
-) -> None:
-    """Names, dtypes, shapes (batch dimension free), finiteness: a 400 naming the input."""
+) -> Tensors:
+    """Names, dtypes, shapes (batch dimension free), finiteness: a 400 naming the input. Returns
+    the inputs the model runs on: without those frozen into it (sent with the frozen value)."""
     specs = {s.name: s for s in model.backend.inputs}
+    inputs = _drop_frozen(model, inputs, specs)
     for name in inputs:
         if name not in specs:
             raise ProtocolError(
@@ -320,6 +323,22 @@ def validate_inputs(
             )
         _check_tensor(model, spec, inputs[spec.name], max_batch, allow_nonfinite)
     _check_shared_dims(model, inputs)
+    return inputs
+
+
+def _drop_frozen(model: ServedModel, inputs: Tensors, specs: dict[str, Any]) -> Tensors:
+    out: Tensors = {}
+    for name, arr in inputs.items():
+        frozen = model.frozen.get(name)
+        if name in specs or frozen is None:
+            out[name] = arr
+        elif not same_value(arr, frozen):
+            raise ProtocolError(
+                f"model {model.name!r} was built for input {name!r} = {frozen.tolist()} (frozen "
+                f"into it as a constant input), but the request sends "
+                f"{np.asarray(arr).tolist()!s:.80}; send {frozen.tolist()} or leave {name!r} out"
+            )
+    return out
 
 
 def _check_shared_dims(model: ServedModel, inputs: Tensors) -> None:
@@ -389,7 +408,11 @@ def model_metadata(model: ServedModel) -> dict[str, Any]:
         "platform": model.backend.platform,
         "inputs": tensors(model.backend.inputs),
         "outputs": tensors(model.backend.outputs),
-    }
+    } | (
+        {"parameters": {"constant_inputs": {k: v.tolist() for k, v in model.frozen.items()}}}
+        if model.frozen
+        else {}
+    )
 
 
 def encode_response(

@@ -76,7 +76,7 @@ async def infer_tensors(
                 "the inputs"
             ) from None
     try:
-        validate_inputs(
+        fed = validate_inputs(
             model,
             inputs,
             max_batch=batcher.config.max_batch_size,
@@ -86,7 +86,7 @@ async def infer_tensors(
         monitor.invalid_rows(request_rows(model, inputs))
         raise
     edge_started = time.perf_counter()
-    outputs = await batcher.submit(inputs, timeout_s if timeout_s is not None else req.timeout_s)
+    outputs = await batcher.submit(fed, timeout_s if timeout_s is not None else req.timeout_s)
     monitor.observe(outputs)
     parameters = None
     if model.cascade is not None:
