@@ -53,7 +53,7 @@ def test_ctc_agreement_is_one_minus_cer_against_fp32s_decoding() -> None:
     out[0, 4] = np.eye(6)[5]  # 1 2 3 4 -> 1 2 5 4: one substitution in 7 characters
     s = ctc_score(out, ref, blank=0)
     assert s["cer"] == pytest.approx(1 / 7) and s["agreement"] == pytest.approx(6 / 7)
-    assert s["exact_rows"] == 0.5 and s["fp32_chars"] == 7
+    assert s["exact_rows"] == 0.5 and s["fp32_chars"] == 7 and s["edits"] == 1
 
 
 def _boxes(*rows: list[float]) -> np.ndarray:

@@ -105,6 +105,9 @@ class Search:
     timings: dict[str, float] = field(default_factory=dict)
     layer_rows: dict[Path, list[dict[str, Any]]] = field(default_factory=dict)
     layerwise_skipped: str | None = None  # why the chosen trial's table was not measured
+    # ranges for calibration methods not run up front: method names -> their cache files
+    calibrate_more: Callable[[set[str]], dict[str, Path]] | None = None
+    recalibration: dict[str, Any] = field(default_factory=dict)  # the near-miss follow-up
 
     def layer_errors(self, trial: Trial) -> list[dict[str, Any]]:
         """``trial``'s layer-wise error (:func:`.layerwise.layer_errors`), measured once per
