@@ -96,7 +96,8 @@ def _edits(f: dict[str, Any]) -> str:
     characters allows one edit, and a verdict that turns on one flip should say so."""
     if "edits" not in f:
         return ""
-    return f" ({f['edits']} edits in {f['fp32_chars']} characters)"
+    edits = f"{f['edits']} edit" + ("" if f["edits"] == 1 else "s")
+    return f" ({edits} in {f['fp32_chars']} characters)"
 
 
 def collect_outputs(
