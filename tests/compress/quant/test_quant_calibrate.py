@@ -22,6 +22,16 @@ def prepared(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
     return prepare(cnn_onnx, tmp_path_factory.mktemp("prep"), cnn_inputs(0, 1))
 
 
+def test_prepare_takes_a_relative_folder(
+    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pre-processing runs inside a temporary folder (chdir): a relative output folder still
+    names the one the caller meant."""
+    monkeypatch.chdir(tmp_path)
+    out = prepare(cnn_onnx, Path("prep"), cnn_inputs(0, 1))
+    assert (tmp_path / "prep" / "prepared.onnx").is_file() and out.path.exists()
+
+
 def _true_ranges(
     model: Path, names: list[str], data: list[dict[str, np.ndarray]]
 ) -> dict[str, tuple[float, float]]:
