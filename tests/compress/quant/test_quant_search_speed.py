@@ -258,3 +258,23 @@ def test_a_near_miss_is_rebuilt_with_the_calibration_no_candidate_used(
         assert "met the budget" in auto._stopped(s, good, mixed_tried=False)
     else:
         assert "misses the budget by at most 0.5" in s.recalibration["skipped"]
+
+
+def test_a_recalibrated_trial_over_budget_is_not_timed_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    minmax, entropy = _graded(tmp_path, "minmax", 0.9880), _graded(tmp_path, "entropy", 0.9870)
+    percentile = _graded(tmp_path, "percentile", 0.95)
+    per_round = {"fp32-onnx": [10.0] * 5, minmax.name: [6.0] * 5, percentile.name: [6.0] * 5}
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [minmax, percentile]
+    s.measure(s.trials, rank_only=True)
+    seen.clear()
+    s.calibrate_more = lambda methods: {m: tmp_path / f"{m}.json" for m in methods}
+    monkeypatch.setattr(s, "build", lambda spec, plan, tag="": entropy)
+    monkeypatch.setattr(s, "judge", lambda t: t)  # over budget, as graded
+    assert auto.recalibrate_near_miss(s) == [] and entropy.name not in seen
+    assert s.trials == [minmax, percentile, entropy]
+    assert "a recalibrated near miss over budget cannot be chosen for speed" in s.reason(entropy)
+    assert "did not qualify" in s.recalibration["result"]

@@ -146,6 +146,9 @@ def recalibrate_near_miss(s: Search) -> list[Trial]:
     ]
     s.trials.extend(new)
     s.measure([t for t in new if t.budget_ok])
+    for t in new:
+        if t.latency is None and not t.budget_ok:
+            t.not_timed = "a recalibrated near miss over budget cannot be chosen for speed"
     good = [t for t in new if t.budget_ok and (s.faster(t) or s.objective == "size")]
     s.recalibration["trials"] = [{"name": t.name, "reason": s.reason(t)} for t in new]
     verdict = "met the budget" if good else "did not qualify"

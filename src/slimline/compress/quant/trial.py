@@ -69,6 +69,7 @@ class Trial:
     screened: str | None = None  # rejected on a subset of the rows: the rows, and why
     timing_stopped: str | None = None  # left out of later timing rounds: the rounds, and why
     cpu_p50: tuple[float, float] | None = None  # CPU ms per run, the trial's and FP32's
+    not_timed: str | None = None  # why a trial built after the first timing was not timed
 
     @property
     def name(self) -> str:
@@ -290,7 +291,7 @@ class Search:
         if trial.failure is not None:
             return f"failed: {trial.failure}"
         if trial.latency is None or trial.fp32 is None:
-            why = (
+            why = trial.not_timed or (
                 "mixed precision's probe missed it"
                 if trial.plan.tag.startswith("-mixed")
                 else ("a candidate within budget was")
