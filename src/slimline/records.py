@@ -51,6 +51,7 @@ class SearchRecord(TypedDict, total=False):
     candidates: list[TrialSummary]
     fp32_latency_ms: dict[str, Any] | None
     mixed_precision: list[dict[str, Any]]
+    recalibration: dict[str, Any]  # a near miss rebuilt with the calibrations not yet tried
     no_candidate_met_budget: str
     stopped: str  # why the search ended where it did
 

@@ -14,6 +14,7 @@ from slimline.measure.kinds import (
     logits_score,
     map_score,
 )
+from slimline.measure.quality import Quality
 
 
 def test_logits_agreement_counts_rows_whose_argmax_is_fp32s() -> None:
@@ -53,7 +54,11 @@ def test_ctc_agreement_is_one_minus_cer_against_fp32s_decoding() -> None:
     out[0, 4] = np.eye(6)[5]  # 1 2 3 4 -> 1 2 5 4: one substitution in 7 characters
     s = ctc_score(out, ref, blank=0)
     assert s["cer"] == pytest.approx(1 / 7) and s["agreement"] == pytest.approx(6 / 7)
-    assert s["exact_rows"] == 0.5 and s["fp32_chars"] == 7
+    assert s["exact_rows"] == 0.5 and s["fp32_chars"] == 7 and s["edits"] == 1
+    q = Quality(
+        1.0, 1.0, 1.0, 0.0, None, declared={"out": {"kind": "ctc", **s, "cosine_mean": 1.0}}
+    )
+    assert "CER 0.1429 (1 edit in 7 characters) against FP32's decoding" in q.declared_text()
 
 
 def _boxes(*rows: list[float]) -> np.ndarray:

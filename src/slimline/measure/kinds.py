@@ -79,6 +79,7 @@ def ctc_score(out: np.ndarray, ref: np.ndarray, blank: int) -> dict[str, Any]:
         "agreement": max(0.0, 1.0 - cer),
         "cer": cer,
         "exact_rows": float(np.mean([g == w for g, w in zip(got, want, strict=True)])),
+        "edits": edits,
         "fp32_chars": chars,
     }
 

@@ -85,10 +85,19 @@ def _one_text(name: str, f: dict[str, Any]) -> str:
     detail = {
         "logits": lambda: f"top-1 agreement {f['top1_agreement']:.4f}",
         "probability_map": lambda: f"IoU {f['iou_mean']:.4f} at threshold {f['threshold']}",
-        "ctc": lambda: f"CER {f['cer']:.4f} against FP32's decoding",
+        "ctc": lambda: f"CER {f['cer']:.4f}{_edits(f)} against FP32's decoding",
         "boxes": lambda: f"box recall {f['recall']:.4f}, precision {f['precision']:.4f}",
     }[kind]()
     return f"{kind} {name!r} {detail} (agreement {agree:.4f}; cosine {f['cosine_mean']:.4f})"
+
+
+def _edits(f: dict[str, Any]) -> str:
+    """How many edits the CER counts, over how many characters: a budget of CER 0.01 over 182
+    characters allows one edit, and a verdict that turns on one flip should say so."""
+    if "edits" not in f:
+        return ""
+    edits = f"{f['edits']} edit" + ("" if f["edits"] == 1 else "s")
+    return f" ({edits} in {f['fp32_chars']} characters)"
 
 
 def collect_outputs(

@@ -22,6 +22,37 @@ def prepared(cnn_onnx: Path, tmp_path_factory: pytest.TempPathFactory):  # type:
     return prepare(cnn_onnx, tmp_path_factory.mktemp("prep"), cnn_inputs(0, 1))
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_entropy_threshold_is_onnx_runtimes_own(seed: int) -> None:
+    """The vectorised KL search returns ONNX Runtime's thresholds, on histograms collected
+    the way calibration collects them (skewed, with outliers and empty bins)."""
+    from onnxruntime.quantization.calibrate import HistogramCollector
+
+    from slimline.compress.quant.calibrate import entropy_threshold
+
+    rng = np.random.default_rng(seed)
+    coll = HistogramCollector("entropy", False, 300 + 97 * seed, 128, 99.99, "same")
+    data = {
+        "relu": np.maximum(rng.normal(0.2, 1.0, 5000), 0).astype(np.float32),
+        "tail": np.concatenate([rng.normal(0, 0.1, 4000), [8.0, -3.0]]).astype(np.float32),
+    }
+    coll.collect(data)
+    for hist in coll.histogram_dict.values():
+        want = coll.get_entropy_threshold(hist, 128)
+        got = entropy_threshold(hist, 128)
+        assert [float(x) for x in got] == [float(x) for x in want]
+
+
+def test_prepare_takes_a_relative_folder(
+    cnn_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pre-processing runs inside a temporary folder (chdir): a relative output folder still
+    names the one the caller meant."""
+    monkeypatch.chdir(tmp_path)
+    out = prepare(cnn_onnx, Path("prep"), cnn_inputs(0, 1))
+    assert (tmp_path / "prep" / "prepared.onnx").is_file() and out.path.exists()
+
+
 def _true_ranges(
     model: Path, names: list[str], data: list[dict[str, np.ndarray]]
 ) -> dict[str, tuple[float, float]]:

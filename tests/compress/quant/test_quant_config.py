@@ -23,6 +23,8 @@ from slimline.recipe import recipe_from_dict
         ({"mode": "dynamic", "activation_type": "int8"}, "activation_type: int8"),
         ({"mode": "dynamic", "quantize_ops": "compute"}, "quantize_ops: compute"),
         ({"mixed_precision": False, "impact_nodes": 3}, "impact_nodes: 3"),
+        ({"mode": "static", "recalibrate_near_miss": 0.0}, "recalibrate_near_miss: 0.0"),
+        ({"mode": "dynamic", "recalibrate_near_miss": 1.0}, "recalibrate_near_miss: 1.0"),
     ],
 )
 def test_a_setting_the_mode_ignores_is_a_one_line_error_naming_it(
@@ -40,6 +42,7 @@ def test_a_setting_the_mode_ignores_is_a_one_line_error_naming_it(
         {"mode": "dynamic", "quantize_embeddings": False, "per_channel": False},
         {"percentile": 99.9, "activation_type": "int8"},  # auto builds a percentile candidate
         {"mode": "static", "per_channel": False, "quantize_ops": "compute"},
+        {"recalibrate_near_miss": 0.0},
     ],
 )
 def test_settings_the_mode_reads_are_accepted(settings: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from slimline.compress.quant.plan import MIXED, PrecisionPlan
 from slimline.compress.quant.trial import Search, Trial
 from slimline.context import StepContext
 from slimline.measure.latency import summarize_latency
-from slimline.measure.quality import Reference
+from slimline.measure.quality import Quality, Reference
 from slimline.recipe import recipe_from_dict
 from slimline.taskspec import Task
 
@@ -201,3 +201,80 @@ def test_trials_over_budget_are_timed_only_to_rank_them(tmp_path: Path) -> None:
     seen.clear()
     s.measure([a, b])  # a verdict's timing (within budget) still runs every round
     assert seen[a.name] == ROUNDS
+
+
+def _graded(tmp_path: Path, slug: str, cosine: float) -> Trial:
+    t = _trial(tmp_path, slug)
+    t.quality = Quality(
+        metric=0.0, cosine_mean=cosine, cosine_min=cosine, max_abs_err=1.0, top1_agreement=None
+    )
+    t.budget_reason = f"mean cosine {cosine} < budget 0.9900"
+    return t
+
+
+@pytest.mark.parametrize("near", [True, False])
+def test_a_near_miss_is_rebuilt_with_the_calibration_no_candidate_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, near: bool
+) -> None:
+    """Nothing qualified: the faster candidate closest to the budget is rebuilt with entropy
+    calibration (the one not run up front) when it misses by at most half the allowance
+    (1 - min_cosine = 0.01); a far miss costs no extra calibration."""
+    minmax = _graded(tmp_path, "minmax", 0.9880 if near else 0.95)
+    percentile = _graded(tmp_path, "percentile", 0.9700)
+    entropy = _trial(tmp_path, "entropy")
+    per_round = {
+        "fp32-onnx": [10.0] * 5,
+        minmax.name: [6.0] * 5,
+        percentile.name: [6.0] * 5,
+        entropy.name: [6.1] * 5,
+    }
+    calibrated: list[set[str]] = []
+    s = _search(tmp_path, per_round, {})
+    s.trials = [minmax, percentile]
+    s.measure([minmax, percentile], rank_only=True)
+
+    def more(methods: set[str]) -> dict[str, Path]:
+        calibrated.append(methods)
+        return {m: tmp_path / f"{m}.json" for m in methods}
+
+    def build(spec: QuantSpec, plan: PrecisionPlan, tag: str = "") -> Trial:
+        assert spec.calibration == "entropy" and plan is minmax.plan  # the closest miss's plan
+        return entropy
+
+    def judge(t: Trial) -> Trial:
+        t.budget_ok, t.budget_reason = True, "within budget"
+        return t
+
+    s.calibrate_more = more
+    monkeypatch.setattr(s, "build", build)
+    monkeypatch.setattr(s, "judge", judge)
+    good = auto.recalibrate_near_miss(s)
+    assert good == ([entropy] if near else [])
+    assert calibrated == ([{"entropy"}] if near else [])
+    if near:
+        assert s.caches["entropy"] == tmp_path / "entropy.json" and entropy in s.trials
+        assert s.recalibration["from"] == minmax.name and s.recalibration["missed_by"] == 0.2
+        assert "met the budget" in s.recalibration["result"]
+        assert "met the budget" in auto._stopped(s, good, mixed_tried=False)
+    else:
+        assert "misses the budget by at most 0.5" in s.recalibration["skipped"]
+
+
+def test_a_recalibrated_trial_over_budget_is_not_timed_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    minmax, entropy = _graded(tmp_path, "minmax", 0.9880), _graded(tmp_path, "entropy", 0.9870)
+    percentile = _graded(tmp_path, "percentile", 0.95)
+    per_round = {"fp32-onnx": [10.0] * 5, minmax.name: [6.0] * 5, percentile.name: [6.0] * 5}
+    seen: dict[str, int] = {}
+    s = _search(tmp_path, per_round, seen)
+    s.trials = [minmax, percentile]
+    s.measure(s.trials, rank_only=True)
+    seen.clear()
+    s.calibrate_more = lambda methods: {m: tmp_path / f"{m}.json" for m in methods}
+    monkeypatch.setattr(s, "build", lambda spec, plan, tag="": entropy)
+    monkeypatch.setattr(s, "judge", lambda t: t)  # over budget, as graded
+    assert auto.recalibrate_near_miss(s) == [] and entropy.name not in seen
+    assert s.trials == [minmax, percentile, entropy]
+    assert "a recalibrated near miss over budget cannot be chosen for speed" in s.reason(entropy)
+    assert "did not qualify" in s.recalibration["result"]

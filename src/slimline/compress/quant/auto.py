@@ -4,12 +4,15 @@ worst layers in float when none is (:mod:`.mixed`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from ...errors import StepError
+from ...context import StepContext
+from ...errors import StepError, error_text, is_user_error
 from ...measure.latency import speed_verdict
+from ...measure.quality import Quality
 from ...records import SearchRecord, TrialDescription
-from .config import QuantSpec
+from .config import CalibrationName, QuantSpec
 from .layerwise import error_statement
 from .mixed import mixed_from_fastest
 from .plan import PrecisionPlan
@@ -22,15 +25,20 @@ __all__ = [
     "latency_ties",
     "layerwise_for",
     "pick",
+    "recalibrate_near_miss",
     "search",
+    "shortfall",
 ]
+
+CALIBRATIONS: tuple[CalibrationName, ...] = ("minmax", "percentile", "entropy")
 
 
 def search(
     s: Search, tries: list[tuple[QuantSpec, PrecisionPlan]]
 ) -> tuple[Trial, list[Trial], SearchRecord]:
     """Build and evaluate every spec; time (interleaved with FP32) those within budget, or all of
-    them when none is; mixed precision from the fastest when none qualifies.
+    them when none is; when none qualifies, a near miss recalibrated
+    (:func:`recalibrate_near_miss`), then mixed precision from the fastest.
 
     Returns (chosen, rejected, record)."""
     with s.timed("quantize"):
@@ -46,6 +54,9 @@ def search(
     if not any(t.latency for t in s.usable()):
         raise all_failed(s)
     good = [t for t in in_budget if s.faster(t) or s.objective == "size"]
+    if not good:
+        with s.timed("recalibrate"):
+            good = recalibrate_near_miss(s)
     mixed_tried = not good and s.cfg.mixed_precision
     if mixed_tried:
         untimed = [t for t in s.usable() if t.latency is None]
@@ -61,6 +72,8 @@ def search(
                 good = [mixed]
     record: SearchRecord = {"fp32_latency_ms": next((t.fp32 for t in s.trials if t.fp32), None)}
     record["mixed_precision"] = s.mixed_trace
+    if s.recalibration:
+        record["recalibration"] = s.recalibration
     if good:
         chosen = pick(good, s.objective, s.ctx.recipe.budget.min_gain)
     else:
@@ -69,6 +82,81 @@ def search(
     record["stopped"] = _stopped(s, good, mixed_tried)
     rejected = [t for t in s.trials if t is not chosen]
     return chosen, rejected, record
+
+
+def shortfall(q: Quality, ctx: StepContext) -> float:
+    """How far ``q`` misses the budget's fidelity floors, as a share of their allowance (the
+    declared agreement below ``min_agreement`` over ``1 - min_agreement``, the judged cosine
+    below ``min_cosine`` over ``1 - min_cosine``; the worse of them); 0 when it meets them."""
+    b = ctx.recipe.budget
+    if q.agreement is None:
+        pairs = [(float(q.cosine_mean), b.min_cosine)]
+    else:
+        pairs = [(float(q.agreement), b.min_agreement)]
+        if q.cosine_judged is not None:
+            pairs.append((float(q.cosine_judged), b.min_cosine))
+    return max(max(0.0, (floor - v) / max(1.0 - floor, 1e-9)) for v, floor in pairs)
+
+
+def recalibrate_near_miss(s: Search) -> list[Trial]:
+    """Nothing qualified: the static candidate faster than FP32 that misses the budget by the
+    least, when that is at most ``recalibrate_near_miss`` of the budget's allowance
+    (:func:`shortfall`), is rebuilt with each calibration no candidate used (entropy: the search
+    calibrates MinMax and Percentile up front; Entropy's threshold search costs more). A narrow
+    miss is often a few flips where FP32 itself nearly ties (a CTC frame whose two best scores
+    are close): which ones flip depends on every range, so another calibration is a cheap second
+    draw, where keeping some nodes in float moves little. The rebuilt trials join
+    ``s.trials`` (those within budget timed on every round); ``s.recalibration`` records what
+    was done and why. Returns those that qualify."""
+    share = s.cfg.recalibrate_near_miss
+    if share <= 0 or s.calibrate_more is None:
+        return []
+    static = [
+        t for t in s.usable() if t.spec.mode == "static" and not t.plan.tag.startswith("-mixed")
+    ]
+    missed = {t.name: shortfall(t.quality, s.ctx) for t in static if t.quality and s.faster(t)}
+    near = [t for t in static if t.name in missed and not t.screened and missed[t.name] <= share]
+    methods = [m for m in CALIBRATIONS if m not in {t.spec.calibration for t in static}]
+    if not near or not methods:
+        why = (
+            f"every calibration ({', '.join(CALIBRATIONS)}) was tried"
+            if near
+            else f"no static candidate faster than FP32 misses the budget by at most {share:g} "
+            "of its allowance"
+        )
+        s.recalibration = {"skipped": why}
+        return []
+    base = min(near, key=lambda t: missed[t.name])
+    s.recalibration = {
+        "from": base.name,
+        "missed_by": round(missed[base.name], 4),
+        "reason": base.budget_reason,
+        "methods": methods,
+    }
+    try:
+        s.caches.update(s.calibrate_more(set(methods)))
+    except Exception as err:  # the extra calibration failed: mixed precision goes on as before
+        if is_user_error(err):
+            raise
+        s.recalibration["result"] = f"{'/'.join(methods)} calibration failed: {error_text(err)}"
+        return []
+    new = [
+        s.judge(s.build(replace(base.spec, calibration=m), base.plan, base.plan.tag))
+        for m in methods
+    ]
+    s.trials.extend(new)
+    s.measure([t for t in new if t.budget_ok])
+    for t in new:
+        if t.latency is None and not t.budget_ok:
+            t.not_timed = "a recalibrated near miss over budget cannot be chosen for speed"
+    good = [t for t in new if t.budget_ok and (s.faster(t) or s.objective == "size")]
+    s.recalibration["trials"] = [{"name": t.name, "reason": s.reason(t)} for t in new]
+    verdict = "met the budget" if good else "did not qualify"
+    s.recalibration["result"] = (
+        f"{base.name} missed the budget by {missed[base.name]:.2f} of its allowance; "
+        f"recalibrated ({', '.join(methods)}): {verdict}"
+    )
+    return good
 
 
 def pick(good: list[Trial], objective: str, min_gain: float) -> Trial:
@@ -132,16 +220,19 @@ def _stopped(s: Search, good: list[Trial], mixed_tried: bool) -> str:
         if screened
         else ""
     )
+    recal = f"{s.recalibration['result']}; " if "result" in s.recalibration else ""
     if good and not mixed_tried:
         why = f"{len(good)} of {len(s.trials)} candidates faster than FP32 and within budget"
-        return f"{why}; mixed precision not needed{rows}"
+        return f"{recal}{why}; mixed precision not needed{rows}"
     if not s.cfg.mixed_precision:
-        return f"no candidate faster than FP32 and within budget; mixed precision is off{rows}"
+        return (
+            f"{recal}no candidate faster than FP32 and within budget; mixed precision is off{rows}"
+        )
     ends = [e for e in s.mixed_trace if "result" in e or "skipped" in e]
     last: dict[str, Any] = ends[-1] if ends else {}
     why = str(last.get("result") or last.get("skipped") or "mixed precision found no plan")
     verdict = "met the budget" if good else "did not meet the budget"
-    return f"mixed precision {verdict}: {why}{rows}"
+    return f"{recal}mixed precision {verdict}: {why}{rows}"
 
 
 def _why_none(s: Search) -> str:

@@ -19,6 +19,12 @@ CalibrationName = Literal["minmax", "percentile", "entropy"]
 QuantOps = Literal["all", "compute"]
 
 
+_AUTO_ONLY = (
+    "is ignored outside mode auto (whose search recalibrates a near miss); drop it, or set "
+    "mode: auto"
+)
+
+
 class QuantizeConfig(StepConfig):
     """INT8 post-training quantization with ONNX Runtime's quantization tool.
 
@@ -60,6 +66,15 @@ class QuantizeConfig(StepConfig):
     mixed_precision: bool = True
     max_float_share: float = Field(
         0.5, gt=0.0, le=1.0, description="mixed precision keeps at most this share in float"
+    )
+    recalibrate_near_miss: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="mode auto: when no candidate is faster than FP32 and within budget, and the "
+        "closest one that is faster misses it by at most this share of the budget's allowance "
+        "(1 - min_agreement, or 1 - min_cosine), that candidate is rebuilt with each calibration "
+        "not yet tried (entropy) before mixed precision (0: never)",
     )
     fallback: Literal["none", "qat"] = Field(
         "none",
@@ -105,18 +120,23 @@ class QuantizeConfig(StepConfig):
         static = "; drop it, or set mode: static to choose it"
         by_mode = {
             "auto": [
-                ("calibration", "is ignored by mode auto, which tries minmax and percentile" + static),
+                ("calibration", "is ignored by mode auto, which tries minmax and percentile "
+                 "(entropy after a near miss)" + static),
                 ("per_channel", "is ignored by mode auto, which quantizes weights per channel" + static),
             ],
             "static": [
+                ("recalibrate_near_miss", _AUTO_ONLY),
                 ("quantize_embeddings", "is ignored by mode static: only dynamic quantization "
                  "stores embedding tables in INT8; drop it, or set mode: dynamic"),
             ],
             "dynamic": [
+                ("recalibrate_near_miss", _AUTO_ONLY),
+                *(
                 (name, "is ignored by mode dynamic, which quantizes activations at run time from "
                  "their own range" + static)
                 for name in ("calibration", "percentile", "activation_type",
                              "activation_symmetric", "quantize_ops")
+                ),
             ],
         }[self.mode]  # fmt: skip
         if self.mode == "static" and self.calibration != "percentile":

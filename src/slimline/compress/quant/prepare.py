@@ -425,7 +425,7 @@ def _pre_process(src: Path, dst: Path, *, skip_optimization: bool, notes: list[s
         {"skip_symbolic_shape": True},
     ]
     last: Exception | None = None
-    src = src.resolve()
+    src, dst = src.resolve(), dst.resolve()  # both are read after chdir below
     for opts in attempts:
         # symbolic shape inference saves its temporary model (and a .data file as large as the
         # weights) in the current directory: run it inside a temporary one under the step's own

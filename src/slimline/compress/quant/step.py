@@ -60,23 +60,25 @@ def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
 
 
 def _calibrate(
-    cfg: QuantizeConfig, prepared: Prepared, methods: set[str], ctx: StepContext
+    cfg: QuantizeConfig, prepared: Prepared, methods: set[str], ctx: StepContext, more: bool = False
 ) -> Calibration:
+    """One calibration pass for ``methods``. ``more``: the search's follow-up for methods not run
+    up front (its own folder; representativeness and the few-samples warning were given once)."""
     calib = calibrate(
         prepared.path,
         ctx.task.calibration_data(),
-        ctx.workdir / "calibration",
+        ctx.workdir / ("calibration-more" if more else "calibration"),
         samples=cfg.samples,
         methods=methods,
         percentile=cfg.percentile,
         symmetric=cfg.activation_symmetric,
         chunk_mb=cfg.calibration_chunk_mb,
         threads=ctx.threads,
-        eval_batches=_eval_inputs(ctx),
+        eval_batches=None if more else _eval_inputs(ctx),
         eval_samples=cfg.representativeness_samples,
         signature=ctx.task.signature,
     )
-    if calib.samples < FEW_SAMPLES:
+    if calib.samples < FEW_SAMPLES and not more:
         ctx.warn(
             f"quantize: calibrated on {calib.samples} samples (fewer than {FEW_SAMPLES}); ranges "
             "may miss rare activations: give calibration_data() more samples"
@@ -145,6 +147,7 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         ctx, cfg, prepared, calib.caches, ctx.workdir / "candidates", lambda: _eval_inputs(ctx)
     )
     s.out_dir.mkdir(parents=True, exist_ok=True)
+    s.calibrate_more = lambda extra: _calibrate(cfg, prepared, extra, ctx, more=True).caches
     if cfg.mode == "auto":
         chosen, rejected, record = search(s, tries)
     else:

@@ -69,6 +69,7 @@ class Trial:
     screened: str | None = None  # rejected on a subset of the rows: the rows, and why
     timing_stopped: str | None = None  # left out of later timing rounds: the rounds, and why
     cpu_p50: tuple[float, float] | None = None  # CPU ms per run, the trial's and FP32's
+    not_timed: str | None = None  # why a trial built after the first timing was not timed
 
     @property
     def name(self) -> str:
@@ -105,6 +106,9 @@ class Search:
     timings: dict[str, float] = field(default_factory=dict)
     layer_rows: dict[Path, list[dict[str, Any]]] = field(default_factory=dict)
     layerwise_skipped: str | None = None  # why the chosen trial's table was not measured
+    # ranges for calibration methods not run up front: method names -> their cache files
+    calibrate_more: Callable[[set[str]], dict[str, Path]] | None = None
+    recalibration: dict[str, Any] = field(default_factory=dict)  # the near-miss follow-up
 
     def layer_errors(self, trial: Trial) -> list[dict[str, Any]]:
         """``trial``'s layer-wise error (:func:`.layerwise.layer_errors`), measured once per
@@ -287,7 +291,7 @@ class Search:
         if trial.failure is not None:
             return f"failed: {trial.failure}"
         if trial.latency is None or trial.fp32 is None:
-            why = (
+            why = trial.not_timed or (
                 "mixed precision's probe missed it"
                 if trial.plan.tag.startswith("-mixed")
                 else ("a candidate within budget was")
