@@ -52,7 +52,7 @@ from .held_out import DeclaredScore, declared_output, kind_loss
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
-from .sensitivity import LayerGain, choose_float, layer_gains
+from .sensitivity import LayerGain, choose_float, cosine_score, declared_score, layer_gains
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -160,8 +160,9 @@ class QatConfig(StepConfig):
     judge_declared: bool = Field(
         True,
         description="where the task declares its output's kind (recipe outputs:): distill "
-        "with the loss that matches it (probability_map: bce) and keep the weights of the best "
-        "declared agreement on the held-out training batches, not of the lowest loss",
+        "with the loss that matches it (probability_map: bce), rank float_layers by the "
+        "declared agreement each gains, and keep the weights of the best declared agreement on "
+        "the held-out training batches, not of the lowest loss",
     )
     progress: bool = True
 
@@ -307,6 +308,7 @@ def _frozen(module: Any) -> Any:
     return teacher
 
 
+BCE_LOSSES = ("bce", "bce_rows")
 FLOAT_SEARCH_ROWS = 32  # calibration rows the float-layer search measures on
 
 
@@ -339,7 +341,7 @@ def _judged(cfg: QatConfig, ctx: StepContext, output: str | None) -> tuple[Any, 
     if name is None or ctx.task.judge is None:
         return ft_cfg, None
     loss = kind_loss(ctx.task, name)
-    if loss is not None:
+    if loss is not None and ft_cfg.embedding_loss not in BCE_LOSSES:  # a bce the recipe set stays
         ft_cfg = ft_cfg.model_copy(update={"embedding_loss": loss})
     return ft_cfg, DeclaredScore(ctx.task.judge, name)
 
@@ -354,11 +356,20 @@ def _train(
         ctx.warn(note)
     teacher = _frozen(module)
     student, rows = _calibrated(cfg, module, fmt, ctx)
+    ft_cfg, score = _judged(cfg, ctx, output)
     search: dict[str, Any] | None = None
     if cfg.float_layers:
-        gains = layer_gains(student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS)
+        ranked_by = declared_score(score.of_outputs) if score is not None else cosine_score
+        gains = layer_gains(
+            student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS, ranked_by
+        )
         chosen = choose_float(gains, cfg.float_layers, cfg.max_float_macs)
-        search = {"rows": FLOAT_SEARCH_ROWS, "chosen": chosen, "gains": gains_table(gains)}
+        search = {
+            "rows": FLOAT_SEARCH_ROWS,
+            "ranked_by": "declared agreement" if score is not None else "cosine",
+            "chosen": chosen,
+            "gains": gains_table(gains),
+        }
         if chosen:
             fmt = dataclasses.replace(fmt, float_modules=fmt.float_modules + tuple(chosen))
             student, rows = _calibrated(cfg, module, fmt, ctx)
@@ -367,7 +378,6 @@ def _train(
         if cfg.learn_ranges
         else 0
     )
-    ft_cfg, score = _judged(cfg, ctx, output)
     hooks = QatHooks(cfg, score)
     ft = distill(
         student,
@@ -554,8 +564,9 @@ def run_qat(
     # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
     # gradient scale, learned zero points, export check's noise floor; 5: an ONNX task's float
     # graph converted to torch (onnx_module.py); 6: judge_declared (the declared kind's loss,
-    # the weights of the best declared agreement kept)
-    version=6,
+    # the weights of the best declared agreement kept); 7: float layers ranked by the declared
+    # agreement where the task declares one
+    version=7,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
