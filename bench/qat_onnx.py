@@ -260,7 +260,10 @@ def run_model(
     cfg = QatConfig.model_validate(settings)
     t0 = time.perf_counter()
     fmt = format_for(detect(), cfg.quantize_ops)
-    ptq = ptq_rows(ctx, ctx.baseline, fmt, cfg.calibration, cfg.percentile)
+    # full INT8 also calibrated as QAT's ranges may start (auto: percentile's row, whichever
+    # start the step keeps), so that a recovery is given against the better PTQ too
+    other = "percentile" if cfg.calibration == "auto" else cfg.calibration
+    ptq = ptq_rows(ctx, ctx.baseline, fmt, other, cfg.percentile)
     t_ptq = time.perf_counter() - t0
     qat = run_qat(cfg, ctx.baseline, ctx, ptq)
     t_qat = time.perf_counter() - t0 - t_ptq
@@ -304,6 +307,8 @@ def run_model(
         "kept_by": qat.meta.get("kept_by"),
         "history": qat.meta.get("history"),
         "float_search": (qat.meta.get("float_search") or {}).get("chosen"),
+        "calibration": qat.meta.get("calibration"),
+        "calibration_scores": qat.meta.get("calibration_scores"),
         "wall_s": {"ptq": round(t_ptq, 1), "qat": round(t_qat, 1)},
         "timing": {**loads, "threads": TIME_THREADS, "bench": BENCH},
     }
@@ -351,6 +356,22 @@ def _target(v: float | None, ok: bool) -> str:
     return "not measured" if v is None else ("met" if ok else "NOT met")
 
 
+def _start(r: dict[str, Any]) -> str:
+    """Where the ranges started: the calibration kept (and, with ``auto``, each one's held-out
+    agreement); runs that did not record it: the calibrated PTQ row's label names it."""
+    method = r.get("calibration")
+    if method is None:
+        label = (r["rows"].get("ptq_full_calibrated") or {}).get("label", "")
+        method = label.split(", ")[-1].replace(" calibration", "") if label else "minmax"
+    scores = r.get("calibration_scores")
+    told = f" (set: {r['qat_settings']['calibration']})"
+    if scores:
+        told = (
+            " (auto; held-out start: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()) + ")"
+        )
+    return f" Ranges start from {method} calibration{told}."
+
+
 def _kept(r: dict[str, Any]) -> str:
     """How the run distilled and which weights it kept (runs before judge_declared: nothing)."""
     if not r.get("kept_by"):
@@ -377,6 +398,7 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
         f"{r['steps_run']} steps run. Conversion check against ONNX Runtime on "
         f"{check['rows']} rows: cosine min {check['cosine_min']:.6f}, max abs error "
         f"{check['max_abs_err']:.2e}. Float layers chosen: {r['float_search'] or 'none'}."
+        + _start(r)
         + _kept(r),
         "",
         "| model | declared agreement | cosine to FP32 | p50 ms (2 threads) | ops in INT8 |",
@@ -409,8 +431,7 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
         f"{_share(rec_c)}",
         *(
             [
-                "- against full INT8 PTQ calibrated as QAT's ranges start "
-                f"({r['qat_settings']['calibration']}): QAT won back "
+                f"- against {rows['ptq_full_calibrated']['label']}: QAT won back "
                 f"{_share(v['agreement_recovered_vs_calibrated'])} of its declared loss"
             ]
             if v.get("agreement_recovered_vs_calibrated") is not None
