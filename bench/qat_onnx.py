@@ -439,7 +439,9 @@ def _summary(models: list[dict[str, Any]]) -> list[str]:
             f"{figure((rows.get('ptq_full') or {}).get('agreement'), '.4f')} | "
             f"{figure(rows['qat'].get('agreement'), '.4f')} | {_share(v['agreement_recovered'])} | "
             f"{_share(v.get('agreement_recovered_vs_calibrated'))} | "
-            f"{figure(v['latency_vs_ptq_full'], '.3f', 'x')} |"
+            f"{figure(v['latency_vs_ptq_full'], '.3f', 'x')}"
+            + "".join(f"; again: {t['qat_vs_ptq_full']:.3f}x" for t in r.get("retimed") or [])
+            + " |"
         )
     return [*lines, ""]
 
