@@ -578,8 +578,9 @@ def run_qat(
     # gradient scale, learned zero points, export check's noise floor; 5: an ONNX task's float
     # graph converted to torch (onnx_module.py); 6: judge_declared (the declared kind's loss,
     # the weights of the best declared agreement kept); 7: float layers ranked by the declared
-    # agreement where the task declares one, calibration: auto (the start measured)
-    version=7,
+    # agreement where the task declares one, calibration: auto (the start measured); 8: an ONNX
+    # graph's separate per-channel bias Add folded into its convolution (onnx_fold.py)
+    version=8,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
