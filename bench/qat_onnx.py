@@ -19,6 +19,10 @@ computed by Shape / Slice / Concat).
 
     nice -n 5 .venv/bin/python bench/qat_onnx.py --out bench/RESULTS-qat-onnx.md
     .venv/bin/python bench/qat_onnx.py --only ddddocr-det --steps 10
+    .venv/bin/python bench/qat_onnx.py --only ppocrv5-det --work W --retime  # time W's files again
+
+``--qat`` sets the step's options over the model's (JSON), ``--train-pages`` the distinct pages
+the DBNets train on; ``--render --work A B ...`` renders every run saved under those folders.
 """
 
 from __future__ import annotations
