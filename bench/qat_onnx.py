@@ -19,6 +19,10 @@ computed by Shape / Slice / Concat).
 
     nice -n 5 .venv/bin/python bench/qat_onnx.py --out bench/RESULTS-qat-onnx.md
     .venv/bin/python bench/qat_onnx.py --only ddddocr-det --steps 10
+    .venv/bin/python bench/qat_onnx.py --only ppocrv5-det --work W --retime  # time W's files again
+
+``--qat`` sets the step's options over the model's (JSON), ``--train-pages`` the distinct pages
+the DBNets train on; ``--render --work A B ...`` renders every run saved under those folders.
 """
 
 from __future__ import annotations
@@ -122,7 +126,8 @@ def _ddddocr_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 # the settings of bench/RESULTS-qat-ppocr.md's 71% run (300 steps there); the loss follows the
 # declared kind (probability_map: bce) and the weights kept are those of the best declared IoU on
-# the held-out training batches (judge_declared, the step's default)
+# the held-out training batches (judge_declared, the step's default); the ranges start from the
+# calibration that scores best on those batches (calibration: auto, the step's default)
 DBNET_QAT = {
     "quantize_ops": "compute",
     "float_layers": 4,
@@ -259,12 +264,20 @@ def run_model(
         settings["finetune"] = {**settings["finetune"], "steps": steps}
     cfg = QatConfig.model_validate(settings)
     t0 = time.perf_counter()
-    ptq = ptq_rows(ctx, ctx.baseline, format_for(detect(), cfg.quantize_ops))
+    fmt = format_for(detect(), cfg.quantize_ops)
+    # full INT8 also calibrated as QAT's ranges may start (auto: percentile's row, whichever
+    # start the step keeps), so that a recovery is given against the better PTQ too
+    other = "percentile" if cfg.calibration == "auto" else cfg.calibration
+    ptq = ptq_rows(ctx, ctx.baseline, fmt, other, cfg.percentile)
     t_ptq = time.perf_counter() - t0
     qat = run_qat(cfg, ctx.baseline, ctx, ptq)
     t_qat = time.perf_counter() - t0 - t_ptq
     cands = {"fp32": ctx.baseline, "qat": qat}
-    for key, trial in (("ptq_full", ptq.full), ("ptq_mixed", ptq.mixed)):
+    for key, trial in (
+        ("ptq_full", ptq.full),
+        ("ptq_mixed", ptq.mixed),
+        ("ptq_full_calibrated", ptq.calibrated),
+    ):
         if trial is not None and trial.failure is None:
             cands[key] = Candidate(trial.name, "quantize", None, onnx=trial.path)
     timed = api.context_for(
@@ -278,7 +291,8 @@ def run_model(
     comparison = qat.meta["comparison"]
     rows = comparison["rows"]
     for key, c in cands.items():
-        rows[key]["latency_ms"] = lat[c.name]["latency_ms"]
+        if key in rows:
+            rows[key]["latency_ms"] = lat[c.name]["latency_ms"]
     return {
         "model": name,
         "why": m.why,
@@ -298,9 +312,48 @@ def run_model(
         "kept_by": qat.meta.get("kept_by"),
         "history": qat.meta.get("history"),
         "float_search": (qat.meta.get("float_search") or {}).get("chosen"),
+        "calibration": qat.meta.get("calibration"),
+        "calibration_scores": qat.meta.get("calibration_scores"),
         "wall_s": {"ptq": round(t_ptq, 1), "qat": round(t_qat, 1)},
         "timing": {**loads, "threads": TIME_THREADS, "bench": BENCH},
     }
+
+
+RETIME_BENCH = {**BENCH, "rounds": 12}
+
+
+def retime(name: str, work: Path, lock_wait: float) -> dict[str, Any]:
+    """FP32, full INT8 PTQ and QAT of a finished run timed again, interleaved (twice the rounds):
+    another reading of the latency ratio from the same files, on a machine other jobs share."""
+    from slimline import api, load_task
+    from slimline.candidate import Candidate
+    from slimline.recipe import recipe_from_dict
+
+    result: dict[str, Any] = json.loads((work / "result.json").read_text())
+    files = {
+        "ptq_full": next((work / "train" / "ptq").glob("*-full.onnx")),
+        "qat": work / "train" / "qat.onnx",
+    }
+    rec = recipe_from_dict({**recipe(name, work, TIME_THREADS), "bench": RETIME_BENCH})
+    task = load_task(rec.task, rec.samples, rec.eval_samples, outputs=rec.outputs)
+    timed = api.context_for(task, rec, work / "retime", cache=work / "cache")
+    cands = {"fp32": timed.baseline}
+    cands |= {k: Candidate(f"{k}-file", "quantize", None, onnx=p) for k, p in files.items()}
+    with timing_lock(lock_wait) as loads:
+        lat = timed.compare(list(cands.values()))
+    p50 = {k: lat[c.name]["latency_ms"]["p50"] for k, c in cands.items()}
+    result.setdefault("retimed", []).append(
+        {
+            "p50_ms": p50,
+            "qat_vs_ptq_full": p50["qat"] / p50["ptq_full"],
+            "timing": {**loads, "threads": TIME_THREADS, "bench": RETIME_BENCH},
+            "command": reproduce_command(
+                "qat_onnx.py", ["--only", name, "--work", str(work.parent), "--retime"]
+            ),
+        }
+    )
+    (work / "result.json").write_text(json.dumps(result, default=str))
+    return result
 
 
 def verdicts(rows: dict[str, Any]) -> dict[str, Any]:
@@ -313,6 +366,11 @@ def verdicts(rows: dict[str, Any]) -> dict[str, Any]:
         lost = ref - p if p is not None else None
         out[f"{key}_lost_by_ptq"] = lost
         out[f"{key}_recovered"] = (q - p) / lost if lost and q is not None else None
+    calibrated = (rows.get("ptq_full_calibrated") or {}).get("agreement")
+    if calibrated is not None and qat.get("agreement") is not None and calibrated < 1.0:
+        out["agreement_recovered_vs_calibrated"] = (qat["agreement"] - calibrated) / (
+            1.0 - calibrated
+        )
     lf, lq = (r.get("latency_ms", {}).get("p50") for r in (full, qat))
     out["latency_vs_ptq_full"] = lq / lf if lf and lq else None
     return out
@@ -340,6 +398,22 @@ def _target(v: float | None, ok: bool) -> str:
     return "not measured" if v is None else ("met" if ok else "NOT met")
 
 
+def _start(r: dict[str, Any]) -> str:
+    """Where the ranges started: the calibration kept (and, with ``auto``, each one's held-out
+    agreement); runs that did not record it: the calibrated PTQ row's label names it."""
+    method = r.get("calibration")
+    if method is None:
+        label = (r["rows"].get("ptq_full_calibrated") or {}).get("label", "")
+        method = label.split(", ")[-1].replace(" calibration", "") if label else "minmax"
+    scores = r.get("calibration_scores")
+    told = f" (set: {r['qat_settings']['calibration']})"
+    if scores:
+        told = (
+            " (auto; held-out start: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()) + ")"
+        )
+    return f" Ranges start from {method} calibration{told}."
+
+
 def _kept(r: dict[str, Any]) -> str:
     """How the run distilled and which weights it kept (runs before judge_declared: nothing)."""
     if not r.get("kept_by"):
@@ -355,8 +429,30 @@ def _kept(r: dict[str, Any]) -> str:
     return text + "."
 
 
+def _summary(models: list[dict[str, Any]]) -> list[str]:
+    """One line a run: what QAT won back of full PTQ's declared loss, and its latency."""
+    lines = [
+        "| model | run | full PTQ | QAT | won back (target 70%) | vs percentile PTQ | "
+        "latency vs full INT8 (target 1.10x) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in models:
+        v, rows = verdicts(r["rows"]), r["rows"]
+        lines.append(
+            f"| {r['model']} | {r.get('variant') or 'defaults'} | "
+            f"{figure((rows.get('ptq_full') or {}).get('agreement'), '.4f')} | "
+            f"{figure(rows['qat'].get('agreement'), '.4f')} | {_share(v['agreement_recovered'])} | "
+            f"{_share(v.get('agreement_recovered_vs_calibrated'))} | "
+            f"{figure(v['latency_vs_ptq_full'], '.3f', 'x')}"
+            + "".join(f"; again: {t['qat_vs_ptq_full']:.3f}x" for t in r.get("retimed") or [])
+            + " |"
+        )
+    return [*lines, ""]
+
+
 def _model_lines(r: dict[str, Any]) -> list[str]:
-    v, rows = r["verdicts"], r["rows"]
+    rows = r["rows"]
+    v = verdicts(rows)  # derived again: runs before a verdict was added get it too
     check = r["from_onnx"]["check"]
     lines = [
         f"### {r['model']}{' (' + r['variant'] + ')' if r.get('variant') else ''}: {r['why']}",
@@ -366,13 +462,14 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
         f"{r['steps_run']} steps run. Conversion check against ONNX Runtime on "
         f"{check['rows']} rows: cosine min {check['cosine_min']:.6f}, max abs error "
         f"{check['max_abs_err']:.2e}. Float layers chosen: {r['float_search'] or 'none'}."
+        + _start(r)
         + _kept(r),
         "",
         "| model | declared agreement | cosine to FP32 | p50 ms (2 threads) | ops in INT8 |",
         "|---|---|---|---|---|",
     ]
     labels = {"fp32": "FP32", "ptq_full": "full INT8 PTQ", "ptq_mixed": "PTQ, mixed precision"}
-    for key in ("fp32", "ptq_full", "ptq_mixed", "qat"):
+    for key in ("fp32", "ptq_full", "ptq_full_calibrated", "ptq_mixed", "qat"):
         row = rows.get(key)
         if row is None:
             continue
@@ -396,9 +493,24 @@ def _model_lines(r: dict[str, Any]) -> list[str]:
         f"{_share(rec_a)} (target >= 70%: {_target(rec_a, (rec_a or 0) >= RECOVERY)})",
         f"- cosine PTQ lost: {figure(v['cosine_mean_lost_by_ptq'], '.4f')}; QAT won back "
         f"{_share(rec_c)}",
+        *(
+            [
+                f"- against {rows['ptq_full_calibrated']['label']}: QAT won back "
+                f"{_share(v['agreement_recovered_vs_calibrated'])} of its declared loss"
+            ]
+            if v.get("agreement_recovered_vs_calibrated") is not None
+            else []
+        ),
         f"- QAT latency vs full INT8 PTQ: {figure(lat, '.3f', 'x')} (target <= 1.10x: "
         f"{_target(lat, (lat or 9) <= LATENCY)})",
         f"- QAT within the budget: {r['qat_budget'][0]} ({r['qat_budget'][1] or 'within'})",
+        *(
+            f"- timed again ({t['timing']['bench']['rounds']} rounds, interleaved; lock: "
+            f"{t['timing']['lock']}; load {t['timing']['load_before']:.1f} / "
+            f"{t['timing']['load_after']:.1f}): QAT {t['qat_vs_ptq_full']:.3f}x full INT8 PTQ "
+            f"(p50 {t['p50_ms']['qat']:.3f} / {t['p50_ms']['ptq_full']:.3f} ms); by `{t['command']}`"
+            for t in r.get("retimed") or []
+        ),
         f"- wall time, 1 thread: PTQ rows {r['wall_s']['ptq']} s, QAT step {r['wall_s']['qat']} "
         f"s; load average before / under the lock / after timing: "
         f"{r['timing']['load_before']:.1f} / {r['timing']['load_locked']:.1f} / "
@@ -419,6 +531,7 @@ def render(doc: dict[str, Any]) -> str:
         "output, `min_cosine` 0.99.",
         "",
     ]
+    lines += _summary(doc["models"])
     for r in doc["models"]:
         lines += _model_lines(r)
     for r in doc["rejected"]:
@@ -442,9 +555,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, help="write the markdown here (and .json beside)")
     ap.add_argument("--render", action="store_true", help="run nothing: the saved results")
+    ap.add_argument(
+        "--retime", action="store_true", help="time a finished run's files again (the first work)"
+    )
     ap.add_argument("--qat", type=json.loads, help="qat step settings over the model's (JSON)")
     ap.add_argument("--lock-wait", type=float, default=LOCK_WAIT_S, help="seconds, at most")
+    ap.add_argument(
+        "--train-pages",
+        type=int,
+        default=ppocr.TRAIN_PAGES,
+        help="distinct rendered pages the DBNets train on (default %(default)s)",
+    )
     args = ap.parse_args(argv)
+    ppocr.TRAIN_PAGES = args.train_pages  # read when the rows are rendered
     import torch
 
     torch.set_num_threads(TRAIN_THREADS)
@@ -453,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{k} {v}" for k, v in (("steps", args.steps), ("qat", args.qat)) if v is not None
     )
     for name in args.only or list(MODELS):
-        if not args.render:
+        if args.retime:
+            retime(name, args.work[0] / name, args.lock_wait)
+        elif not args.render:
             print(f"qat-onnx: {name} ...", file=sys.stderr, flush=True)
             result = run_model(name, args.work[0] / name, args.steps, args.qat, args.lock_wait)
             result["variant"] = variant
@@ -461,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                 "qat_onnx.py",
                 ["--only", name, "--work", str(args.work[0])]
                 + (["--steps", str(args.steps)] if args.steps is not None else [])
+                + (["--train-pages", str(args.train_pages)] if name != "ddddocr-det" else [])
                 + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
             )
             (args.work[0] / name / "result.json").write_text(json.dumps(result, default=str))
@@ -471,7 +597,12 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": zoo.cpu_kind(),
         "cpu_kind": detect().kind,
         "command": reproduce_command(
-            "qat_onnx.py", [a for a in (sys.argv[1:] if argv is None else argv) if a != "--render"]
+            "qat_onnx.py",
+            [
+                a
+                for a in (sys.argv[1:] if argv is None else argv)
+                if a not in ("--render", "--retime")
+            ],
         ),
         "models": results,
         "rejected": [rejected(n) for n in REJECTED],

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from ..errors import DataError, RecipeError
+from ..errors import DataError
 from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
+from .distill_loss import EMBEDDING_LOSSES, distill_loss
 from .features import FeatureTap, feature_loss, first_output
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
 
@@ -66,11 +67,13 @@ class FinetuneConfig(Config):
     alpha: float = Field(
         0.7, ge=0.0, le=1.0, description="weight of distillation vs task loss where labels exist"
     )
-    embedding_loss: Literal["cosine", "mse", "bce"] = Field(
+    embedding_loss: EMBEDDING_LOSSES = Field(
         "cosine",
         description="loss between non-logit outputs: cosine, mse, or bce (outputs that are "
         "probabilities, e.g. a segmentation map after its sigmoid: binary cross-entropy "
-        "against the teacher's probabilities)",
+        "against the teacher's probabilities); bce_rows: bce with each row weighted by the "
+        "inverse of its text area in the teacher's map, as a mean of per-row IoUs weighs rows "
+        "(compress/distill_loss.py)",
     )
     features: str | None = Field(
         None,
@@ -222,60 +225,6 @@ def trim_padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if length == mask.shape[1]:
         return inputs
     return {k: (v[:, :length] if v.shape[:2] == mask.shape else v) for k, v in inputs.items()}
-
-
-def distill_loss(
-    student_out: Tensor,
-    teacher_out: Tensor,
-    labels: Any,  # a batch's labels as the task gives them (array-like), or None
-    output_kind: str,
-    cfg: FinetuneConfig,
-    task_loss: Callable[[Tensor, Tensor], Tensor] | None = None,
-) -> Tensor:
-    """Distillation loss of one batch (plus the task loss where labels exist)."""
-    import torch
-    import torch.nn.functional as F
-
-    s, t = student_out.float(), teacher_out.float().detach()
-    if output_kind == "logits":
-        temp = cfg.temperature
-        s2, t2 = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1])
-        kd = F.kl_div(
-            F.log_softmax(s2 / temp, -1),
-            F.log_softmax(t2 / temp, -1),
-            log_target=True,
-            reduction="batchmean",
-        ) * (temp * temp)
-    elif cfg.embedding_loss == "cosine":
-        kd = 1.0 - F.cosine_similarity(s.reshape(len(s), -1), t.reshape(len(t), -1), dim=1).mean()
-    elif cfg.embedding_loss == "bce":
-        kd = _soft_bce(s, t)
-    else:
-        kd = F.mse_loss(s, t)
-    if labels is None:
-        return kd
-    lab = torch.as_tensor(np.asarray(labels))
-    if task_loss is not None:
-        return cfg.alpha * kd + (1.0 - cfg.alpha) * task_loss(student_out, lab)
-    if output_kind == "logits" and not lab.is_floating_point():
-        ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), lab.reshape(-1).long())
-        return cfg.alpha * kd + (1.0 - cfg.alpha) * ce
-    return kd
-
-
-def _soft_bce(student: Tensor, teacher: Tensor) -> Tensor:
-    """Binary cross-entropy of probability outputs against the teacher's probabilities (minus
-    the teacher's own entropy, so that a perfect student scores 0)."""
-    import torch.nn.functional as F
-
-    if float(student.detach().min()) < 0.0 or float(student.detach().max()) > 1.0:
-        raise RecipeError(
-            "finetune.embedding_loss 'bce' needs outputs in [0, 1] (probabilities); this "
-            "model's are not: use 'cosine' or 'mse'"
-        )
-    eps = 1e-6
-    s, t = student.clamp(eps, 1.0 - eps), teacher.clamp(eps, 1.0 - eps)
-    return F.binary_cross_entropy(s, t) - F.binary_cross_entropy(t, t)
 
 
 def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:

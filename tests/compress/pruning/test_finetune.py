@@ -378,6 +378,30 @@ def test_bce_distillation_of_probabilities_is_zero_at_the_teacher_and_checks_the
         distill_loss(torch.tensor([[2.0, -1.0]]), torch.tensor([[0.5, 0.5]]), None, "other", cfg)
 
 
+def test_bce_rows_weighs_an_error_by_its_rows_text_area_at_bces_scale() -> None:
+    """The same one-pixel error costs plain bce the same in any row; bce_rows weighs it by the
+    inverse of the row's text area, so it costs more in the row with less text."""
+    t = torch.zeros(2, 1, 10, 10)
+    t[0, :, :5] = 0.9  # half the page is text
+    t[1, :, 0, :2] = 0.9  # two pixels of text
+    in_big, in_small = t.clone(), t.clone()
+    in_big[0, :, 0, 0] = 0.1
+    in_small[1, :, 0, 0] = 0.1
+    plain, rows = FinetuneConfig(embedding_loss="bce"), FinetuneConfig(embedding_loss="bce_rows")
+    assert float(distill_loss(in_big, t, None, "map", plain)) == pytest.approx(
+        float(distill_loss(in_small, t, None, "map", plain))
+    )
+    big, small = (float(distill_loss(x, t, None, "map", rows)) for x in (in_big, in_small))
+    assert small > 10 * big
+    assert float(distill_loss(t.clone(), t, None, "map", rows)) == pytest.approx(0.0, abs=1e-6)
+    same = torch.full((3, 1, 4, 4), 0.5)  # equal areas: equal weights, plain bce's value
+    moved = same.clone()
+    moved[:, :, 0, 0] = 0.2
+    assert float(distill_loss(moved, same, None, "map", rows)) == pytest.approx(
+        float(distill_loss(moved, same, None, "map", plain)), rel=1e-4
+    )
+
+
 def test_one_training_step_lowers_the_batchs_distillation_loss() -> None:
     teacher, student = _pair()
     cfg = FinetuneConfig(steps=10, progress=False)

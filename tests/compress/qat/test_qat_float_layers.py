@@ -4,6 +4,7 @@ within a MAC share, and the step keeping the chosen layers out of fake quantizat
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -12,8 +13,17 @@ import torch
 from slimline import api
 from slimline.compress.finetune import FinetuneConfig
 from slimline.compress.qat import fakequant as fq
-from slimline.compress.qat.sensitivity import LayerGain, choose_float, layer_gains
+from slimline.compress.qat.held_out import DeclaredScore
+from slimline.compress.qat.sensitivity import (
+    COSINE_TIE_WEIGHT,
+    LayerGain,
+    choose_float,
+    declared_score,
+    layer_gains,
+)
 from slimline.compress.qat.step import QatConfig
+from slimline.measure.judge import Judge
+from slimline.outputs import LogitsOutput
 from slimline.recipe import recipe_from_dict
 from slimline.task import load_task
 
@@ -55,7 +65,24 @@ def test_each_compute_layer_gets_its_measured_gain_and_the_model_is_left_as_it_w
     got = _out(off, np.concatenate([b["x"] for b in _batches()])[:16]).numpy()
     a, b = got.reshape(len(got), -1), ref.reshape(len(ref), -1)
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    assert best.cosine_float == pytest.approx(float(cos.mean()), abs=1e-5)
+    assert best.score_float == pytest.approx(float(cos.mean()), abs=1e-5)
+
+
+def test_layers_can_be_ranked_by_the_declared_agreement_with_cosine_breaking_ties() -> None:
+    """Where the task declares its output (here top-1 agreement of logits), each layer's score
+    is that agreement on the rows, plus the cosine at a weight too small to outrank one row."""
+    student, teacher = _prepared(), _tiny()
+    fq.freeze_observers(student)
+    judge = cast(Judge, Judge.from_declarations({"y": LogitsOutput()}))
+    top1 = DeclaredScore(judge, "y").of_outputs
+    gains = layer_gains(student, teacher, _batches(), rows=16, score=declared_score(top1))
+    assert {g.name for g in gains} == {"stem.0", "dw.0", "pw", "fc"}
+    for g in gains:  # k of 16 rows agree, plus at most COSINE_TIE_WEIGHT
+        rows = g.score_float * 16
+        assert 0.0 <= rows - np.floor(rows) <= 16 * COSINE_TIE_WEIGHT + 1e-9
+    x = np.array([[1.0, 0.0], [0.0, 1.0]])
+    assert top1(x, x) == 1.0 and top1(x, x[::-1]) == 0.0
+    assert declared_score(top1)(x, x) == pytest.approx(1.0 + COSINE_TIE_WEIGHT)
 
 
 def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:

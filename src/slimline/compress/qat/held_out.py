@@ -84,9 +84,12 @@ class DeclaredScore:
                     refs.append(first_output(teacher(**x)).float().numpy())
         finally:
             student.train(was_training)
-        scores = self.judge.score(
-            {self.output: np.concatenate(outs)}, {self.output: np.concatenate(refs)}
-        )
+        return self.of_outputs(np.concatenate(outs), np.concatenate(refs))
+
+    def of_outputs(self, out: np.ndarray, ref: np.ndarray) -> float:
+        """The lowest declared agreement of outputs ``out`` with the teacher's ``ref`` (the
+        float-layer search ranks layers by it: ``sensitivity.declared_score``)."""
+        scores = self.judge.score({self.output: out}, {self.output: ref})
         return min(float(s["agreement"]) for s in scores.values())
 
     def __call__(

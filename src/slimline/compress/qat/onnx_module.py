@@ -34,6 +34,7 @@ from torch import fx
 from ...candidate import Candidate, quantizable_graph
 from ...context import StepContext
 from ...errors import StepError
+from .onnx_fold import fold_conv_bias
 from .onnx_ops import CONVERTERS, Builder, Dims, Env, attrs, unsupported
 
 __all__ = ["CONVERTERS", "check_against_onnx", "module_for", "rename_output", "to_torch"]
@@ -142,8 +143,10 @@ def _check_graph(model: onnx.ModelProto) -> int:
 
 def to_torch(model: onnx.ModelProto, *, free_batch: bool = False) -> fx.GraphModule:
     """``model`` as a GraphModule (eval mode) taking its graph inputs by name, returning its one
-    output; a :class:`StepError` names the first op (or attribute) it cannot convert."""
+    output; a :class:`StepError` names the first op (or attribute) it cannot convert. A
+    convolution's separate per-channel bias ``Add`` is folded into it first (:mod:`.onnx_fold`)."""
     opset = _check_graph(model)
+    model = fold_conv_bias(model)
     b = Builder(_shapes(model), opset, free_batch)
     for init in model.graph.initializer:
         b.env[init.name] = numpy_helper.to_array(init)

@@ -1,6 +1,8 @@
 """Which compute layers carry a fake-quant model's error, measured: for each convolution or
-linear layer, the cosine to the FP32 model's outputs when that layer alone runs in float (its
-weight and output fake quants off), on calibration rows, and its share of the model's MACs.
+linear layer, the score against the FP32 model's outputs when that layer alone runs in float (its
+weight and output fake quants off), on calibration rows, and its share of the model's MACs. The
+score is the mean cosine, or, where the task declares how its output is judged, that judge's
+agreement (e.g. a thresholded map's IoU), cosine breaking ties: :func:`declared_score`.
 
 QAT can then keep the few layers whose float version gains the most in float, within a small
 MAC share, and train the rest. On PP-OCRv4's text detector three small early layers (2.6% of
@@ -10,7 +12,7 @@ with them in float, before any training (``bench/RESULTS-qat-ppocr.md``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,13 +22,33 @@ from ...measure.quality import fidelity
 from ...tensors import take_samples
 from ..finetune import to_tensors
 
-__all__ = ["LayerGain", "choose_float", "layer_gains"]
+__all__ = ["LayerGain", "Score", "choose_float", "cosine_score", "declared_score", "layer_gains"]
+
+# outputs of the student and of the FP32 teacher on the same rows -> higher is closer
+Score = Callable[[np.ndarray, np.ndarray], float]
+
+# weight of the cosine in a declared score: it only orders layers of equal agreement
+COSINE_TIE_WEIGHT = 1e-3
+
+
+def cosine_score(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(fidelity(out, ref, False)["cosine_mean"] or 0.0)
+
+
+def declared_score(agreement: Score) -> Score:
+    """The declared ``agreement`` of the outputs, plus :data:`COSINE_TIE_WEIGHT` x their cosine
+    (a few rows can tie on agreement)."""
+
+    def score(out: np.ndarray, ref: np.ndarray) -> float:
+        return agreement(out, ref) + COSINE_TIE_WEIGHT * cosine_score(out, ref)
+
+    return score
 
 
 @dataclass(frozen=True)
 class LayerGain:
     name: str
-    cosine_float: float  # mean cosine to FP32 with this layer alone in float
+    score_float: float  # the score (cosine, or declared agreement) with this layer alone in float
     gain: float  # over every layer fake-quantized
     mac_share: float  # of the model's MACs
 
@@ -88,11 +110,15 @@ def _macs(student: Any, names: Iterable[str], rows: dict[str, np.ndarray]) -> di
 
 
 def layer_gains(
-    student: Any, teacher: Any, batches: Iterable[dict[str, np.ndarray]], rows: int = 32
+    student: Any,
+    teacher: Any,
+    batches: Iterable[dict[str, np.ndarray]],
+    rows: int = 32,
+    score: Score = cosine_score,
 ) -> list[LayerGain]:
-    """The gain of each compute layer of the calibrated fake-quant ``student`` in float, on up
-    to ``rows`` rows of ``batches`` (largest gain first). The student's fake quants, observers
-    and mode are as they were afterwards."""
+    """The gain of each compute layer of the calibrated fake-quant ``student`` in float, by
+    ``score`` against the teacher's outputs on up to ``rows`` rows of ``batches`` (largest gain
+    first). The student's fake quants, observers and mode are as they were afterwards."""
     sample = take_samples(batches, rows)
     if not sample:
         return []
@@ -107,17 +133,17 @@ def layer_gains(
     try:
         ref = _outputs(teacher, sample)
 
-        def cosine() -> float:
-            return float(fidelity(_outputs(student, sample), ref, False)["cosine_mean"] or 0.0)
+        def measured() -> float:
+            return score(_outputs(student, sample), ref)
 
-        base = cosine()
+        base = measured()
         macs = _macs(student, layers, sample)
         total = sum(macs.values()) or 1.0
         out: list[LayerGain] = []
         for name, qs in layers.items():
             for q in qs:
                 q.disable_fake_quant()
-            c = cosine()
+            c = measured()
             for q in qs:
                 q.enable_fake_quant(enabled[id(q)])
             out.append(LayerGain(name, c, c - base, macs.get(name, 0.0) / total))

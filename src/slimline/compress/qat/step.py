@@ -16,12 +16,13 @@ against full-INT8 post-training quantization of the same format, measured interl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import shutil
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -52,7 +53,8 @@ from .held_out import DeclaredScore, declared_output, kind_loss
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
-from .sensitivity import LayerGain, choose_float, layer_gains
+from .sensitivity import LayerGain, choose_float, cosine_score, declared_score, layer_gains
+from .start import calibrated, pick_calibration
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
 
@@ -93,11 +95,13 @@ class QatConfig(StepConfig):
         100, ge=0, description="steps after which the ranges freeze (null: never)"
     )
     calibration_samples: int = Field(512, ge=1, le=100_000, description="rows for the ranges")
-    calibration: fq.CalibrationMethod = Field(
-        "minmax",
+    calibration: Literal["auto", "minmax", "entropy", "percentile"] = Field(
+        "auto",
         description="how the activation ranges start: min / max of the calibration rows "
         "(minmax), or the threshold of least KL divergence (entropy) or the central percentile "
-        "(percentile) of their histograms, as the quantize step's calibration computes them",
+        "(percentile) of their histograms, as the quantize step's calibration computes them; "
+        "auto: minmax and percentile both, the start that scores best on the held-out training "
+        "batches kept (compress/qat/start.py)",
     )
     percentile: float = Field(
         99.99, gt=90.0, lt=100.0, description="for calibration: percentile (as quantize's)"
@@ -160,8 +164,9 @@ class QatConfig(StepConfig):
     judge_declared: bool = Field(
         True,
         description="where the task declares its output's kind (recipe outputs:): distill "
-        "with the loss that matches it (probability_map: bce) and keep the weights of the best "
-        "declared agreement on the held-out training batches, not of the lowest loss",
+        "with the loss that matches it (probability_map: bce), rank float_layers by the "
+        "declared agreement each gains, and keep the weights of the best declared agreement on "
+        "the held-out training batches, not of the lowest loss",
     )
     progress: bool = True
 
@@ -307,22 +312,28 @@ def _frozen(module: Any) -> Any:
     return teacher
 
 
+BCE_LOSSES = ("bce", "bce_rows")
 FLOAT_SEARCH_ROWS = 32  # calibration rows the float-layer search measures on
 
 
-def _calibrated(
-    cfg: QatConfig, module: Any, fmt: fq.FakeQuantFormat, ctx: StepContext
+def _started(
+    cfg: QatConfig, module: Any, fmt: fq.FakeQuantFormat, ctx: StepContext, start: dict[str, Any]
 ) -> tuple[Any, int]:
-    """The fake-quant student of ``module`` in ``fmt``, its ranges calibrated; and the rows."""
-    student = fq.prepare(module, to_tensors(ctx.task.sample_inputs(2)), fmt)
-    rows = fq.calibrate(
-        student,
-        ctx.task.calibration_data(),
-        cfg.calibration_samples,
-        cfg.calibration,
-        cfg.percentile,
-    )
-    return student, rows
+    """The calibrated student; with ``calibration: auto`` the method is measured the first
+    time (on ``start["val"]``, by ``start["score"]``) and kept in ``start`` for the next."""
+
+    def build(method: fq.CalibrationMethod) -> tuple[Any, int]:
+        return calibrated(module, fmt, ctx.task, cfg.calibration_samples, method, cfg.percentile)
+
+    if "method" not in start:
+        if cfg.calibration != "auto":
+            start["method"] = cfg.calibration
+        else:
+            student, rows, start["method"], start["scores"] = pick_calibration(
+                build, start["teacher"], start["val"], start["score"]
+            )
+            return student, rows
+    return build(start["method"])
 
 
 def gains_table(gains: list[LayerGain], limit: int = 16) -> list[dict[str, Any]]:
@@ -339,7 +350,7 @@ def _judged(cfg: QatConfig, ctx: StepContext, output: str | None) -> tuple[Any, 
     if name is None or ctx.task.judge is None:
         return ft_cfg, None
     loss = kind_loss(ctx.task, name)
-    if loss is not None:
+    if loss is not None and ft_cfg.embedding_loss not in BCE_LOSSES:  # a bce the recipe set stays
         ft_cfg = ft_cfg.model_copy(update={"embedding_loss": loss})
     return ft_cfg, DeclaredScore(ctx.task.judge, name)
 
@@ -353,21 +364,31 @@ def _train(
     if note:
         ctx.warn(note)
     teacher = _frozen(module)
-    student, rows = _calibrated(cfg, module, fmt, ctx)
+    ft_cfg, score = _judged(cfg, ctx, output)
+    val = list(itertools.islice(data(), cfg.finetune.val_batches))  # distill's held-out ones
+    start: dict[str, Any] = {"teacher": teacher, "val": val, "score": score}
+    student, rows = _started(cfg, module, fmt, ctx, start)
     search: dict[str, Any] | None = None
     if cfg.float_layers:
-        gains = layer_gains(student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS)
+        ranked_by = declared_score(score.of_outputs) if score is not None else cosine_score
+        gains = layer_gains(
+            student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS, ranked_by
+        )
         chosen = choose_float(gains, cfg.float_layers, cfg.max_float_macs)
-        search = {"rows": FLOAT_SEARCH_ROWS, "chosen": chosen, "gains": gains_table(gains)}
+        search = {
+            "rows": FLOAT_SEARCH_ROWS,
+            "ranked_by": "declared agreement" if score is not None else "cosine",
+            "chosen": chosen,
+            "gains": gains_table(gains),
+        }
         if chosen:
             fmt = dataclasses.replace(fmt, float_modules=fmt.float_modules + tuple(chosen))
-            student, rows = _calibrated(cfg, module, fmt, ctx)
+            student, rows = _started(cfg, module, fmt, ctx, start)
     learned = (
         fq.learn_ranges(student, cfg.learn_weight_ranges, cfg.learn_zero_points)
         if cfg.learn_ranges
         else 0
     )
-    ft_cfg, score = _judged(cfg, ctx, output)
     hooks = QatHooks(cfg, score)
     ft = distill(
         student,
@@ -388,7 +409,8 @@ def _train(
         "record": {
             "format": fmt.to_dict(),
             "calibration_rows": rows,
-            "calibration": cfg.calibration,
+            "calibration": start["method"],
+            **({"calibration_scores": start["scores"]} if "scores" in start else {}),
             "learned_ranges": learned,
             "float_search": search,
             "data": source,
@@ -530,7 +552,8 @@ def run_qat(
     kernels = kernel_report(path, ctx.threads)
     qat = Candidate("qat", "qat", cand.name, onnx=path)
     if ptq is None and cfg.compare_ptq and cand.onnx is not None:
-        ptq = ptq_rows(ctx, cand, trained["format"], cfg.calibration, cfg.percentile)
+        method = trained["record"]["calibration"]
+        ptq = ptq_rows(ctx, cand, trained["format"], method, cfg.percentile)
     table = compare_rows(ctx, qat, kernels, ptq)
     shutil.rmtree(state, ignore_errors=True)
     meta = {
@@ -554,8 +577,10 @@ def run_qat(
     # and learn_ranges (the record names both); 4: float_layers (the float-layer search), LSQ
     # gradient scale, learned zero points, export check's noise floor; 5: an ONNX task's float
     # graph converted to torch (onnx_module.py); 6: judge_declared (the declared kind's loss,
-    # the weights of the best declared agreement kept)
-    version=6,
+    # the weights of the best declared agreement kept); 7: float layers ranked by the declared
+    # agreement where the task declares one, calibration: auto (the start measured); 8: an ONNX
+    # graph's separate per-channel bias Add folded into its convolution (onnx_fold.py)
+    version=8,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
