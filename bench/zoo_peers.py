@@ -21,8 +21,10 @@ metric drop where the task has a metric of its own.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import chdir
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +69,15 @@ def _preprocessed(fp32: Path, work: Path) -> Path:
     that fails (as the tool's own option allows); the FP32 file itself where both fail."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    out = work / "preprocessed.onnx"
+    out = (work / "preprocessed.onnx").resolve()
     for symbolic in (True, False):  # ONNX Runtime's symbolic shape inference fails on some
         if out.is_file():
             return out
         try:
-            with quiet():
-                quant_pre_process(str(fp32), str(out), skip_symbolic_shape=not symbolic)
+            # in a scratch folder: where its symbolic shape inference fails, ONNX Runtime saves
+            # the partial model as sym_shape_infer_temp.onnx in the working directory
+            with tempfile.TemporaryDirectory() as tmp, chdir(tmp), quiet():
+                quant_pre_process(str(fp32.resolve()), str(out), skip_symbolic_shape=not symbolic)
         except Exception:
             out.unlink(missing_ok=True)
     return out if out.is_file() else fp32
