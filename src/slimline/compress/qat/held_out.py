@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ...measure.judge import Judge
     from ...task import Task
 
-__all__ = ["TIE_WEIGHT", "DeclaredScore", "declared_output", "kind_loss"]
+__all__ = ["TIE_WEIGHT", "DeclaredScore", "declared_output", "held_out_outputs", "kind_loss"]
 
 # weight of the distillation loss (relative to its value at step 0) in the held-out score: it
 # only orders evaluations of equal agreement, so it stays below one agreement step of a few
@@ -59,6 +59,25 @@ def kind_loss(task: Task, output: str | None) -> str | None:
     return "bce" if isinstance(task.judge.declared[output], ProbabilityMapOutput) else None
 
 
+def held_out_outputs(student: Any, teacher: Any, val: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The first output of ``student`` (in eval mode, restored after) and of ``teacher`` on the
+    held-out batches ``val``, each concatenated over the batches."""
+    import torch
+
+    was_training = student.training
+    student.eval()
+    outs, refs = [], []
+    try:
+        with torch.no_grad():
+            for inputs, _ in val:
+                x = to_tensors(inputs)
+                outs.append(first_output(student(**x)).float().numpy())
+                refs.append(first_output(teacher(**x)).float().numpy())
+    finally:
+        student.train(was_training)
+    return np.concatenate(outs), np.concatenate(refs)
+
+
 class DeclaredScore:
     """The held-out score of a QAT student: ``1 - agreement`` of its output with the teacher's
     as the task's judge scores it, plus :data:`TIE_WEIGHT` x the distillation loss relative to
@@ -71,20 +90,7 @@ class DeclaredScore:
 
     def agreement(self, student: nn.Module, teacher: nn.Module, val: list[Any]) -> float:
         """The lowest agreement over the declared outputs, on the held-out batches."""
-        import torch
-
-        was_training = student.training
-        student.eval()
-        outs, refs = [], []
-        try:
-            with torch.no_grad():
-                for inputs, _ in val:
-                    x = to_tensors(inputs)
-                    outs.append(first_output(student(**x)).float().numpy())
-                    refs.append(first_output(teacher(**x)).float().numpy())
-        finally:
-            student.train(was_training)
-        return self.of_outputs(np.concatenate(outs), np.concatenate(refs))
+        return self.of_outputs(*held_out_outputs(student, teacher, val))
 
     def of_outputs(self, out: np.ndarray, ref: np.ndarray) -> float:
         """The lowest declared agreement of outputs ``out`` with the teacher's ``ref`` (the

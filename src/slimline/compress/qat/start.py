@@ -15,13 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..features import first_output
 from ..finetune import to_tensors
 from . import fakequant as fq
 from .fakequant import CalibrationMethod
-from .held_out import DeclaredScore
+from .held_out import DeclaredScore, held_out_outputs
 from .sensitivity import cosine_score
 
 if TYPE_CHECKING:
@@ -51,20 +48,7 @@ def start_score(student: Any, teacher: Any, val: list[Any], score: DeclaredScore
     """The calibrated ``student``'s score on the held-out batches ``val`` (higher is closer)."""
     if score is not None:
         return score.agreement(student, teacher, val)
-    import torch
-
-    was_training = student.training
-    student.eval()
-    outs, refs = [], []
-    try:
-        with torch.no_grad():
-            for inputs, _ in val:
-                x = to_tensors(inputs)
-                outs.append(first_output(student(**x)).float().numpy())
-                refs.append(first_output(teacher(**x)).float().numpy())
-    finally:
-        student.train(was_training)
-    return cosine_score(np.concatenate(outs), np.concatenate(refs))
+    return cosine_score(*held_out_outputs(student, teacher, val))
 
 
 def pick_calibration(
