@@ -19,10 +19,10 @@ from .config import StepConfig
 from .cpu import detect as detect_cpu
 from .paths import cache_dir
 from .recipe import Recipe
-from .record import data_hash, json_hash, package_versions
+from .record import atomic_write_bytes, data_hash, json_hash, package_versions
 from .steps import spec_for
 from .task import Task
-from .tensors import frozen_inputs, record_frozen
+from .tensors import FROZEN_KEY, frozen_inputs, frozen_to_json
 
 if TYPE_CHECKING:
     from .measure.quality import Quality, Reference
@@ -199,3 +199,20 @@ class StepContext:
 
         logging.getLogger("slimline").warning(message)
         self.warnings.append(message)
+
+
+def record_frozen(path: Path | str, frozen: dict[str, Any]) -> bool:
+    """Record ``frozen`` in an ONNX file that lacks the record but was built without those
+    inputs (a step that writes its graph anew, e.g. a QAT export of a frozen graph); True if
+    written (atomically). A file that still takes one of them is left alone."""
+    import onnx
+
+    path = Path(path)
+    if not frozen or path.suffix != ".onnx" or frozen_inputs(path):
+        return False
+    model = onnx.load(str(path), load_external_data=False)
+    if any(i.name in frozen for i in model.graph.input):
+        return False
+    model.metadata_props.add(key=FROZEN_KEY, value=frozen_to_json(frozen))
+    atomic_write_bytes(path, model.SerializeToString())
+    return True

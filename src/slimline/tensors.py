@@ -20,7 +20,6 @@ __all__ = [
     "frozen_from_json",
     "frozen_inputs",
     "frozen_to_json",
-    "record_frozen",
     "same_value",
     "take_samples",
 ]
@@ -121,23 +120,6 @@ def frozen_inputs(path: Path | str) -> dict[str, np.ndarray]:
     return frozen_from_json(
         next((p.value for p in model.metadata_props if p.key == FROZEN_KEY), None)
     )
-
-
-def record_frozen(path: Path | str, frozen: Mapping[str, np.ndarray]) -> bool:
-    """Record ``frozen`` in an ONNX file that lacks the record but was built without those
-    inputs (a step that writes its graph anew, e.g. a QAT export of a frozen graph); True if
-    written. A file that still takes one of them is left alone."""
-    import onnx
-
-    path = Path(path)
-    if not frozen or path.suffix != ".onnx" or frozen_inputs(path):
-        return False
-    model = onnx.load(str(path), load_external_data=False)
-    if any(i.name in frozen for i in model.graph.input):
-        return False
-    model.metadata_props.add(key=FROZEN_KEY, value=frozen_to_json(frozen))
-    onnx.save(model, str(path))
-    return True
 
 
 def same_value(got: np.ndarray, frozen: np.ndarray) -> bool:
