@@ -502,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--avx2",
         type=Path,
+        nargs="+",
         help="with --render: the fidelity columns on the emulated AVX2 kind "
-        "(bench/zoo_peers.py --quality under qemu), shown beside the native ones",
+        "(bench/zoo_peers.py --quality under qemu), shown beside the native ones; a later "
+        "file's model replaces an earlier file's",
     )
     ap.add_argument(
         "--peers-only",
@@ -569,7 +571,19 @@ def peers_again(path: Path, only: list[str] | None, out: Path | None) -> int:
     return 0
 
 
-def render_files(paths: list[Path], out: Path | None, avx2: Path | None = None) -> int:
+def merge_avx2(paths: list[Path]) -> dict[str, Any]:
+    """Several ``zoo_peers.py --quality`` files as one: each model from the last file that has
+    it, with the evaluation rows it was judged on (runs may differ there)."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    models: dict[str, Any] = {}
+    for d in docs:
+        for name, m in d["models"].items():
+            models[name] = {"eval_rows": d.get("rows"), **m}
+    cpus = sorted({d["cpu"] for d in docs})
+    return {"cpu": "; ".join(cpus), "rows": None, "models": models}
+
+
+def render_files(paths: list[Path], out: Path | None, avx2: list[Path] | None = None) -> int:
     docs = [json.loads(p.read_text()) for p in paths]
     merged: dict[str, dict[str, Any]] = {}
     for d in docs:
@@ -593,8 +607,8 @@ def render_files(paths: list[Path], out: Path | None, avx2: Path | None = None) 
     if main_jobs:
         doc["main_job"] = main_jobs[-1]
     doc["written"] = max(d["written"] for d in docs)  # when the figures were measured
-    if avx2 is not None:
-        doc["avx2"] = json.loads(avx2.read_text())
+    if avx2:
+        doc["avx2"] = merge_avx2(avx2)
     elif any(d.get("avx2") for d in docs):
         doc["avx2"] = next(d["avx2"] for d in reversed(docs) if d.get("avx2"))
     publish(render(doc), doc, out, "zoo.py")

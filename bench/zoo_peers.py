@@ -264,10 +264,13 @@ def verdict(peers: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def quality_only(recipe_path: Path, run: Path, peers: Path, rows: int | None) -> dict[str, Any]:
+def quality_only(
+    recipe_path: Path, run: Path, peers: Path, rows: int | None, pick_only: bool = False
+) -> dict[str, Any]:
     """The yardstick's fidelity columns alone, on the files a native run built and picked (no
     timing: for the emulated AVX2 lane, where only quality means anything). ``rows`` cuts the
-    evaluation to its first rows."""
+    evaluation to its first rows; ``pick_only`` judges slimline's pick alone (FP32 on ONNX Runtime
+    is the reference either way), for models too slow to run every peer under emulation."""
     recipe = load_recipe(recipe_path)
     task = recipe_task(recipe)
     fp32, pick, pick_rt, label = _selected(run)
@@ -277,7 +280,9 @@ def quality_only(recipe_path: Path, run: Path, peers: Path, rows: int | None) ->
         (FP32_OV, fp32, OV),
         (f"slimline pick: {label} on {pick_rt}", pick, pick_rt),
     ]
-    for name, (_, rt) in BUILDERS.items():
+    if pick_only:
+        files = files[2:]
+    for name, (_, rt) in () if pick_only else BUILDERS.items():
         stem = peers / name.replace(" ", "-")
         path = stem.with_suffix(".xml" if rt == OV else ".onnx")
         if path.is_file():
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=Path, required=True, help="a bench/zoo.py work folder")
     ap.add_argument("--only", nargs="+", help="these models only")
     ap.add_argument("--rows", type=int, help="the first evaluation rows only")
+    ap.add_argument("--pick-only", action="store_true", help="judge slimline's pick alone")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     models: dict[str, Any] = {}
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quality: {work.name} ...", flush=True)
         try:
             models[work.name] = quality_only(
-                work / "recipe.yaml", work / "run", work / "peers", args.rows
+                work / "recipe.yaml", work / "run", work / "peers", args.rows, args.pick_only
             )
         except Exception as err:
             models[work.name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}

@@ -214,29 +214,32 @@ def avx2_rows(avx2: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
         (r["model"], x["name"]): x for r in results for x in (r.get("peers") or {}).get("rows", [])
     }
     rows = (
-        f"the first {avx2['rows']} evaluation rows" if avx2.get("rows") else "every evaluation row"
+        f"the first {avx2['rows']} evaluation rows"
+        if avx2.get("rows")
+        else "the evaluation rows each model names"
     )
     lines = [
         f"The same files' fidelity on the emulated AVX2 kind ({avx2['cpu']}; qemu, "
         f"`bench/zoo_peers.py --quality`, {rows}; no timing):",
         "",
-        "| model | row | agreement AVX2 | cosine AVX2 | in budget AVX2 | in budget native |",
-        "|---|---|---|---|---|---|",
+        "| model | rows | row | agreement AVX2 | cosine AVX2 | in budget AVX2 | in budget native |",
+        "|---|---|---|---|---|---|---|",
     ]
     for model, m in avx2["models"].items():
+        n = m.get("eval_rows") or avx2.get("rows") or "all"
         if m.get("error"):
-            lines.append(f"| {model} | failed: {short_paths(m['error'])[:160]} | | | | |")
+            lines.append(f"| {model} | {n} | failed: {short_paths(m['error'])[:160]} | | | | |")
             continue
         for x in m["rows"]:
             nat = native.get((model, x["name"]))
             was = "-" if nat is None else ("yes" if nat["in_budget"] else "no")
             if x.get("error"):
                 err = short_paths(x["error"])[:120].replace("|", "/")
-                lines.append(f"| {model} | {x['name']} | failed: {err} | | | {was} |")
+                lines.append(f"| {model} | {n} | {x['name']} | failed: {err} | | | {was} |")
                 continue
             ok = "yes" if x["in_budget"] else f"no ({x['why']})"
             lines.append(
-                f"| {model} | {x['name']} | {_num(x['agreement'], '.4f')} | "
+                f"| {model} | {n} | {x['name']} | {_num(x['agreement'], '.4f')} | "
                 f"{_num(x['cosine'], '.4f')} | {ok} | {was} |"
             )
     return lines

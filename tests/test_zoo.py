@@ -130,3 +130,55 @@ def test_the_yardstick_verdict_compares_with_the_fastest_in_budget_peer(
     assert peers.verdict({"rows": rows})["faster_than_fp32"] is False
     rows[2] = _row("slimline pick: fp32-onnx on openvino", 0.95, (0.90, 0.99))
     assert peers.verdict({"rows": rows})["faster_than_fp32"] is True  # another runtime can be
+
+
+def test_emulated_quality_files_merge_with_each_models_rows(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    """Emulated (AVX2) quality comes in several runs with different row counts: the table takes
+    each model from the last file that has it and says how many rows judged it."""
+    table = importlib.import_module("zoo_table")
+
+    def row(cos: float, ok: bool) -> dict[str, Any]:
+        why = "within budget" if ok else f"cosine {cos} < budget 0.99"
+        return {
+            "name": "slimline pick: q on onnxruntime",
+            "runtime": "onnxruntime",
+            "cosine": cos,
+            "agreement": None,
+            "in_budget": ok,
+            "why": why,
+        }
+
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(
+        json.dumps(
+            {
+                "cpu": "x86-avx2",
+                "rows": None,
+                "models": {
+                    "a": {"rows": [row(0.95, False)], "eval_rows": 24},
+                    "b": {"rows": [row(0.999, True)], "eval_rows": 24},
+                },
+            }
+        )
+    )
+    new.write_text(
+        json.dumps(
+            {
+                "cpu": "x86-avx2",
+                "rows": 4,
+                "models": {
+                    "a": {"rows": [row(0.998, True)], "eval_rows": 4},
+                },
+            }
+        )
+    )
+    merged = bench.merge_avx2([old, new])
+    assert merged["models"]["a"]["rows"][0]["cosine"] == 0.998  # the later file wins
+    native = [{"model": "a", "peers": {"rows": [{**row(0.999, True)}]}}]
+    lines = table.avx2_rows(merged, native)
+    a = next(x for x in lines if x.startswith("| a |"))
+    b = next(x for x in lines if x.startswith("| b |"))
+    assert "| a | 4 |" in a and "0.9980" in a and a.endswith("| yes | yes |")
+    assert "| b | 24 |" in b and b.endswith("| yes | - |")  # no native row to compare with
