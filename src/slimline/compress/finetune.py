@@ -23,6 +23,7 @@ from ..errors import DataError
 from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
+from .augment import AUGMENTS, augment_rows, augmentable
 from .distill_loss import EMBEDDING_LOSSES, distill_loss
 from .features import FeatureTap, feature_loss, first_output
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
@@ -98,14 +99,22 @@ class FinetuneConfig(Config):
         description="false: the student's nn.Dropout layers are off while it distils (it learns "
         "the teacher's deterministic outputs, as it will run); restored afterwards",
     )
+    augment: list[AUGMENTS] = Field(
+        default_factory=list,
+        description="views of image rows the student and teacher both see while distilling "
+        "without labels: flip (mirrored left to right), mixup (blended with another row of the "
+        "batch); compress/augment.py",
+    )
     progress: bool = True
 
     def key_dict(self) -> dict[str, Any]:
-        """Without ``dropout`` while it is on: a step's cache key stays what it was before the
-        option existed (its result did not change)."""
+        """Without ``dropout`` while it is on, and ``augment`` while it is empty: a step's cache
+        key stays what it was before the option existed (its result did not change)."""
         data = super().key_dict()
         if data.get("dropout") is True:
             data.pop("dropout")
+        if not data.get("augment"):
+            data.pop("augment", None)
         return data
 
 
@@ -331,6 +340,8 @@ def distill(
         for step_i, (inputs, labels) in enumerate(stream, start=start + 1):
             if step_i > cfg.steps:
                 break
+            if cfg.augment and labels is None:
+                inputs = _augmented(inputs, cfg.augment, step_i)
             value = train(step_i, inputs, labels)
             running = value if step_i == 1 else 0.9 * running + 0.1 * value
             bar.update(1)
@@ -352,6 +363,18 @@ def distill(
         return result
     finally:
         train.close()
+
+
+def _augmented(inputs: dict[str, np.ndarray], kinds: list[str], step: int) -> dict[str, np.ndarray]:
+    """``augment_rows``, with one warning where the inputs are not images (left as they are)."""
+    if step == 1 and not augmentable(inputs):
+        log.warning(
+            "finetune.augment %s is not applied: it augments float image inputs [N, C, H, W] "
+            "only, and these inputs are %s",
+            kinds,
+            {k: f"{v.dtype}{list(v.shape)}" for k, v in inputs.items()},
+        )
+    return augment_rows(inputs, kinds, step)
 
 
 def _held_out_halts(
