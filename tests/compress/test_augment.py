@@ -62,7 +62,7 @@ def test_the_option_leaves_cache_keys_as_they_were_until_it_is_set() -> None:
     assert "augment" not in FinetuneConfig().key_dict()
     assert FinetuneConfig(augment=["mixup"]).key_dict()["augment"] == ["mixup"]
     with pytest.raises(ValueError):
-        FinetuneConfig(augment=["rotate"])  # type: ignore[list-item]
+        FinetuneConfig.model_validate({"augment": ["rotate"]})
 
 
 class Conv(nn.Module):
@@ -89,7 +89,9 @@ def test_distill_augments_unlabelled_batches_only(
     labels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[int] = []
-    real = finetune.augment_rows
+    from slimline.compress import augment
+
+    real = augment.augment_rows
 
     def spy(inputs: dict[str, np.ndarray], kinds: Any, step: int) -> dict[str, np.ndarray]:
         seen.append(step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -365,7 +365,9 @@ def distill(
         train.close()
 
 
-def _augmented(inputs: dict[str, np.ndarray], kinds: list[str], step: int) -> dict[str, np.ndarray]:
+def _augmented(
+    inputs: dict[str, np.ndarray], kinds: Sequence[str], step: int
+) -> dict[str, np.ndarray]:
     """``augment_rows``, with one warning where the inputs are not images (left as they are)."""
     if step == 1 and not augmentable(inputs):
         log.warning(
