@@ -14,6 +14,7 @@ from .signature import Signature, batch_axis, concat_rows, n_rows, slice_rows
 
 __all__ = [
     "FROZEN_KEY",
+    "FROZEN_RT_INFO",
     "Inputs",
     "check_inputs",
     "drop_frozen",
@@ -29,6 +30,7 @@ Inputs = dict[str, np.ndarray]
 # an ONNX metadata_props key: the inputs frozen into constants (the recipe's constant_inputs),
 # as JSON {name: {"dtype": ..., "value": ...}}, so a file served alone says what it was built for
 FROZEN_KEY = "slimline.constant_inputs"
+FROZEN_RT_INFO = "slimline_constant_inputs"  # the same, in an OpenVINO IR's rt_info
 
 
 def take_samples(batches: Iterable[Inputs], n: int, sig: Signature | None = None) -> Inputs:
@@ -98,15 +100,15 @@ def frozen_from_json(text: str | None) -> dict[str, np.ndarray]:
 
 def frozen_inputs(path: Path | str) -> dict[str, np.ndarray]:
     """The inputs an ONNX file (or an OpenVINO IR, in its ``rt_info`` entry
-    ``slimline_constant_inputs``) was frozen for."""
+    :data:`FROZEN_RT_INFO`) was frozen for."""
     path = Path(path)
     if path.suffix == ".xml":
-        import re
-        from html import unescape
+        # the model's rt_info is an element of the IR's XML (the weights are in the .bin):
+        # reading it does not need OpenVINO to load the model
+        import xml.etree.ElementTree as ET
 
-        text = path.read_text(errors="replace")  # the IR's rt_info is plain XML
-        m = re.search(r'<slimline_constant_inputs value="([^"]*)"', text)
-        return frozen_from_json(unescape(m.group(1))) if m else {}
+        entry = ET.parse(path).getroot().find(f"rt_info/{FROZEN_RT_INFO}")
+        return frozen_from_json(entry.get("value") if entry is not None else None)
     import mmap
 
     if path.stat().st_size == 0:  # not a model: its loader says so

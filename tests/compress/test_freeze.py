@@ -225,3 +225,26 @@ def test_a_step_after_the_graph_step_gets_data_without_the_frozen_input(tmp_path
 def test_constant_inputs_belong_to_an_onnx_task() -> None:
     with pytest.raises(RecipeError, match="constant_inputs applies to an ONNX task"):
         recipe_from_dict({"name": "m", "task": "mnist", "constant_inputs": {"sr": 16000}})
+
+
+def test_an_openvino_ir_says_which_inputs_it_was_frozen_for(tmp_path: Path) -> None:
+    """The IR keeps the frozen values in its model-level rt_info (as NNCF's candidate writes
+    them), read back without loading the model."""
+    ov = pytest.importorskip("openvino")
+    from slimline.tensors import FROZEN_RT_INFO, frozen_to_json
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    model = ov.convert_model(str(src))
+    plain = tmp_path / "plain.xml"
+    ov.save_model(model, str(plain))
+    assert frozen_inputs(plain) == {}
+    model.set_rt_info(frozen_to_json({"sr": np.array(16000, np.int64)}), FROZEN_RT_INFO)
+    frozen = tmp_path / "frozen.xml"
+    ov.save_model(model, str(frozen))
+    got = frozen_inputs(frozen)
+    assert {k: v.tolist() for k, v in got.items()} == {"sr": 16000}
+    assert got["sr"].dtype == np.int64

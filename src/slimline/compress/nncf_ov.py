@@ -27,7 +27,7 @@ from ..cpu import detect as detect_cpu
 from ..errors import CandidateError, RuntimeMissingError, error_text, is_user_error
 from ..measure.ov import ov_message, require_openvino
 from ..signature import Signature
-from ..tensors import Inputs, frozen_inputs, frozen_to_json
+from ..tensors import FROZEN_RT_INFO, Inputs, frozen_inputs, frozen_to_json
 from .nncf_ptq import (
     COMPETES,
     NncfConfig,
@@ -71,7 +71,7 @@ def nncf_ov_quantize(
     )
     frozen = frozen_inputs(src)
     if frozen:  # the IR says which inputs its graph was frozen for, as the ONNX file did
-        quantized.set_rt_info(frozen_to_json(frozen), "slimline_constant_inputs")
+        quantized.set_rt_info(frozen_to_json(frozen), FROZEN_RT_INFO)
     out.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(quantized, str(out), compress_to_fp16=False)
     ops = [op.get_type_name() for op in quantized.get_ops()]
