@@ -10,6 +10,7 @@ from the model itself. :func:`load_served_models` turns command-line paths (a ru
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,11 @@ from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
 from ..measure.ov import ov_compile, ov_message
 from ..measure.runners import ORT_TO_NP
 from ..tensors import frozen_inputs
+
+log = logging.getLogger("slimline.serve")
+
+# the steps whose models run INT8 kernels: their speed and numerics depend on the CPU kind
+INT8_STEPS = frozenset({"quantize", "nncf", "qat"})
 
 __all__ = [
     "FakeBackend",
@@ -308,6 +314,13 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
         "runtime": manifest.get("selected_runtime") or "onnxruntime",
         "output_kind": (manifest.get("task") or {}).get("output_kind"),
     }
+    int8 = (manifest.get("hardware") or {}).get("int8") or {}
+    if cand.get("step") in INT8_STEPS and int8.get("kind"):
+        meta["int8_built_on"] = int8["kind"]
+        # the kernels' numerics: without any VNNI, x86 sums pairs of 8-bit products in 16 bits
+        meta["int8_built_saturating"] = str(int8["kind"]).startswith("x86-") and not any(
+            int8.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8")
+        )
     if (manifest.get("memory_profile") or {}).get("candidate") == selected:
         meta["memory_profile"] = manifest["memory_profile"]
     return str(name), onnx_path, meta
@@ -335,6 +348,10 @@ def load_served_models(
             )
         chosen = runtime or meta.get("runtime") or "onnxruntime"
         meta = {**meta, "runtime": chosen}
+        other_kind = int8_kind_differs(meta)
+        if other_kind:
+            log.warning("%s: %s", name, other_kind)
+            meta["int8_kind_warning"] = other_kind
         setting = (
             memory(onnx_path, meta) if memory is not None and chosen == "onnxruntime" else None
         )
@@ -348,6 +365,26 @@ def load_served_models(
             meta["constant_inputs"] = {k: v.tolist() for k, v in frozen.items()}
         models.append(ServedModel(name, backend, source=str(path), meta=meta, frozen=frozen))
     return models
+
+
+def int8_kind_differs(meta: dict[str, Any]) -> str | None:
+    """Why this run's INT8 model may not keep its measured fidelity here, or None: its run
+    judged it on a CPU kind whose INT8 numerics differ from this CPU's (with VNNI or AMX, 8-bit
+    products sum in 32 bits; without, in pairs in 16 bits, which can saturate). A kind with the
+    same numerics (AMX and AVX512-VNNI, say) changes only the speed."""
+    from ..cpu import detect
+
+    built_on = meta.get("int8_built_on")
+    cpu = detect()
+    if not built_on or bool(meta.get("int8_built_saturating")) == cpu.u8s8_saturates:
+        return None
+    return (
+        f"its INT8 model was built and judged on a {built_on} CPU and this CPU is {cpu.kind}, "
+        "whose INT8 kernels sum 8-bit products differently "
+        f"({'in 16 bits' if cpu.u8s8_saturates else 'in 32 bits'} here), so its fidelity here "
+        "was not measured; run `slimline optimize` on this kind of CPU to build and judge one "
+        "for it"
+    )
 
 
 def make_backend(
