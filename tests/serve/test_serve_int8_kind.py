@@ -71,3 +71,14 @@ def test_a_float_model_is_the_same_on_every_kind(
     monkeypatch.setattr(cpu, "detect", lambda: _cpu({"avx2"}))
     (model,) = load_served_models([run])
     assert "int8_built_on" not in model.meta and "int8_kind_warning" not in model.meta
+
+
+def test_a_repository_version_gets_the_same_warning(
+    make_run_dir: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slimline.serve.repository import load_version
+
+    run = _run(make_run_dir, tmp_path, VNNI)
+    monkeypatch.setattr(cpu, "detect", lambda: _cpu({"avx2"}))
+    model = load_version(run, "tiny", 3, threads=1)
+    assert "x86-avx512-vnni" in model.meta["int8_kind_warning"]
