@@ -34,6 +34,7 @@ __all__ = [
     "kernel_view",
     "parse_cpuinfo",
     "reconcile",
+    "recorded_saturates",
 ]
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,11 @@ class CpuInt8:
         if self.proc_cpuinfo is not None:
             line += f"; /proc/cpuinfo claims {self.proc_cpuinfo.describe()}"
         return line
+
+
+def recorded_saturates(int8: dict[str, Any]) -> bool:
+    """:attr:`CpuInt8.u8s8_saturates` of the CPU a manifest's ``hardware.int8`` describes."""
+    return str(int8.get("kind", "")).startswith("x86-") and not any(int8.get(f) for f in _VNNI)
 
 
 def kernel_view(int8: dict[str, Any]) -> dict[str, Any]:

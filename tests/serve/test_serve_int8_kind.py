@@ -82,3 +82,12 @@ def test_a_repository_version_gets_the_same_warning(
     monkeypatch.setattr(cpu, "detect", lambda: _cpu({"avx2"}))
     model = load_version(run, "tiny", 3, threads=1)
     assert "x86-avx512-vnni" in model.meta["int8_kind_warning"]
+
+
+def test_the_int8_steps_serving_knows_are_the_steps_that_produce_int8() -> None:
+    from slimline.serve.model import INT8_STEPS
+    from slimline.steps import kinds_producing
+
+    assert kinds_producing("onnx-int8") == INT8_STEPS
+    assert cpu.recorded_saturates(AVX2) and not cpu.recorded_saturates(VNNI)
+    assert not cpu.recorded_saturates({"kind": "arm64-dotprod"})

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..candidate import is_ir
+from ..cpu import recorded_saturates
 from ..edge.setting import MemorySetting, session_path
 from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
 from ..measure.ov import ov_compile, ov_message
@@ -29,7 +30,8 @@ from ..tensors import frozen_inputs
 
 log = logging.getLogger("slimline.serve")
 
-# the steps whose models run INT8 kernels: their speed and numerics depend on the CPU kind
+# the steps whose models run INT8 kernels (steps.kinds_producing("onnx-int8"), named here so that
+# serving does not load every step and torch with it; a test keeps the two equal)
 INT8_STEPS = frozenset({"quantize", "nncf", "qat"})
 
 __all__ = [
@@ -317,10 +319,7 @@ def _from_run_dir(run_dir: Path) -> tuple[str, Path, dict[str, Any]]:
     int8 = (manifest.get("hardware") or {}).get("int8") or {}
     if cand.get("step") in INT8_STEPS and int8.get("kind"):
         meta["int8_built_on"] = int8["kind"]
-        # the kernels' numerics: without any VNNI, x86 sums pairs of 8-bit products in 16 bits
-        meta["int8_built_saturating"] = str(int8["kind"]).startswith("x86-") and not any(
-            int8.get(f) for f in ("avx512_vnni", "avx_vnni", "amx_int8")
-        )
+        meta["int8_built_saturating"] = recorded_saturates(int8)
     if (manifest.get("memory_profile") or {}).get("candidate") == selected:
         meta["memory_profile"] = manifest["memory_profile"]
     return str(name), onnx_path, meta
