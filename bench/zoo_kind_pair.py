@@ -20,12 +20,9 @@ from pathlib import Path
 
 import zoo_peers
 from slimline.api import recipe_task
-from slimline.candidate import Candidate
 from slimline.compress.nncf_ov import nncf_ov_quantize
 from slimline.compress.nncf_ptq import NncfConfig
 from slimline.cpu import CpuInt8, detect
-from slimline.measure.quality import evaluate, make_reference
-from slimline.measure.runners import make_runner
 from slimline.recipe import load_recipe
 
 AVX2 = CpuInt8("x86_64", frozenset({"avx2"}))
@@ -39,40 +36,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", type=int, help="the first evaluation rows only")
     args = ap.parse_args(argv)
-    recipe = load_recipe(args.work / "recipe.yaml")
-    task = recipe_task(recipe)
     fp32, pick, runtime, label = zoo_peers._selected(args.work / "run")
     avx2_file = args.out / "nncf-ov-avx2.xml"
     if args.action == "build":
         if runtime != OV or pick.suffix != ".xml":
             raise SystemExit(f"the pick is {label} on {runtime}, not an NNCF IR on OpenVINO")
+        task = recipe_task(load_recipe(args.work / "recipe.yaml"))
         args.out.mkdir(parents=True, exist_ok=True)
         meta = nncf_ov_quantize(
             fp32, task.calibration_data(), avx2_file, NncfConfig(), task.signature, AVX2
         )
         (args.out / "built.json").write_text(json.dumps(meta, indent=1, default=str))
         return 0
-    ref = make_reference(
-        make_runner(Candidate("fp32", "peer", None, onnx=fp32), 1, task.signature, "onnxruntime"),
-        task,
+    doc = zoo_peers.quality_only(
+        args.work / "recipe.yaml",
+        args.work / "run",
+        args.work / "peers",
         args.rows,
+        pick_only=True,
+        extra=[("NNCF IR built for AVX2", avx2_file, OV)],
     )
-    cpu = detect()
-    judged: dict[str, dict[str, object]] = {}
-    doc = {"cpu": cpu.describe(), "rows": args.rows, "files": judged}
-    files = {f"the pick ({label}), built on this run's CPU": pick, "built for AVX2": avx2_file}
-    for name, path in files.items():
-        runner = make_runner(Candidate(name, "peer", None, onnx=path), 1, task.signature, OV)
-        q = evaluate(runner, task, ref, args.rows)
-        ok, why = zoo_peers.within_budget(recipe, task, ref, q)
-        judged[name] = {
-            "agreement": q.agreement,
-            "cosine": q.cosine_mean,
-            "in_budget": ok,
-            "why": why,
-        }
-        print(name, judged[name], flush=True)
-        (args.out / f"judged-{cpu.kind}.json").write_text(json.dumps(doc, indent=1))
+    doc["cpu"] = detect().describe()
+    for row in doc["rows"]:
+        print(row, flush=True)
+    (args.out / f"judged-{detect().kind}.json").write_text(json.dumps(doc, indent=1))
     return 0
 
 

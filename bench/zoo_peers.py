@@ -265,28 +265,30 @@ def verdict(peers: dict[str, Any]) -> dict[str, Any]:
 
 
 def quality_only(
-    recipe_path: Path, run: Path, peers: Path, rows: int | None, pick_only: bool = False
+    recipe_path: Path,
+    run: Path,
+    peers: Path,
+    rows: int | None,
+    pick_only: bool = False,
+    extra: list[tuple[str, Path, str]] | None = None,
 ) -> dict[str, Any]:
     """The yardstick's fidelity columns alone, on the files a native run built and picked (no
     timing: for the emulated AVX2 lane, where only quality means anything). ``rows`` cuts the
     evaluation to its first rows; ``pick_only`` judges slimline's pick alone (FP32 on ONNX Runtime
-    is the reference either way), for models too slow to run every peer under emulation."""
+    is the reference either way), for models too slow to run every peer under emulation;
+    ``extra`` (name, file, runtime) are judged after them."""
     recipe = load_recipe(recipe_path)
     task = recipe_task(recipe)
     fp32, pick, pick_rt, label = _selected(run)
     threads = 1
-    files = [
-        (FP32_ORT, fp32, ORT),
-        (FP32_OV, fp32, OV),
-        (f"slimline pick: {label} on {pick_rt}", pick, pick_rt),
-    ]
-    if pick_only:
-        files = files[2:]
-    for name, (_, rt) in () if pick_only else BUILDERS.items():
-        stem = peers / name.replace(" ", "-")
-        path = stem.with_suffix(".xml" if rt == OV else ".onnx")
-        if path.is_file():
-            files.append((name, path, rt))
+    files = [(f"slimline pick: {label} on {pick_rt}", pick, pick_rt)]
+    if not pick_only:
+        files = [(FP32_ORT, fp32, ORT), (FP32_OV, fp32, OV), *files]
+        for name, (_, rt) in BUILDERS.items():
+            path = (peers / name.replace(" ", "-")).with_suffix(".xml" if rt == OV else ".onnx")
+            if path.is_file():
+                files.append((name, path, rt))
+    files += extra or []
     limit = rows if rows is not None else recipe.bench.eval_limit
     base = Candidate(FP32_ORT, "peer", None, onnx=fp32)
     ref = make_reference(make_runner(base, threads, task.signature, ORT), task, limit)
