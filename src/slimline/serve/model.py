@@ -347,10 +347,7 @@ def load_served_models(
             )
         chosen = runtime or meta.get("runtime") or "onnxruntime"
         meta = {**meta, "runtime": chosen}
-        other_kind = int8_kind_differs(meta)
-        if other_kind:
-            log.warning("%s: %s", name, other_kind)
-            meta["int8_kind_warning"] = other_kind
+        meta = with_int8_kind_note(name, meta)
         setting = (
             memory(onnx_path, meta) if memory is not None and chosen == "onnxruntime" else None
         )
@@ -364,6 +361,16 @@ def load_served_models(
             meta["constant_inputs"] = {k: v.tolist() for k, v in frozen.items()}
         models.append(ServedModel(name, backend, source=str(path), meta=meta, frozen=frozen))
     return models
+
+
+def with_int8_kind_note(label: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta``, with ``int8_kind_warning`` and the warning logged for ``label`` where
+    :func:`int8_kind_differs` gives one."""
+    note = int8_kind_differs(meta)
+    if note is None:
+        return meta
+    log.warning("%s: %s", label, note)
+    return {**meta, "int8_kind_warning": note}
 
 
 def int8_kind_differs(meta: dict[str, Any]) -> str | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ServeError, SlimlineError
-from .model import ServedModel, int8_kind_differs, make_backend, resolve_model_path
+from .model import ServedModel, make_backend, resolve_model_path, with_int8_kind_note
 from .protocol import ProtocolError
 
 if TYPE_CHECKING:
@@ -73,10 +73,7 @@ def load_version(path: Path, name: str, version: int, threads: int) -> ServedMod
             )
         onnx_path, meta = found[0], {"source": str(path)}
     runtime = meta.get("runtime") or "onnxruntime"
-    other_kind = int8_kind_differs(meta)
-    if other_kind:
-        log.warning("%s version %d: %s", name, version, other_kind)
-        meta = {**meta, "int8_kind_warning": other_kind}
+    meta = with_int8_kind_note(f"{name} version {version}", meta)
     backend = make_backend(onnx_path, threads, runtime)
     return ServedModel(name, backend, version=str(version), source=str(path),
                        meta={**meta, "runtime": runtime})  # fmt: skip
