@@ -37,3 +37,26 @@ def test_a_pipeline_run_is_served_under_its_task_name(
         inp.set_data_from_numpy(x, binary_data=True)
         got = client.infer("tiny", [inp]).as_numpy("output")
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_whose_pick_is_an_openvino_ir_is_served(
+    make_run_dir: Any, tmp_path: Path, expected_logits: Any
+) -> None:
+    """A run's NNCF pick is an IR (`.xml`, no ONNX graph): its inputs and outputs come from the
+    compiled model's ports."""
+    ov = pytest.importorskip("openvino")
+    run = make_run_dir(tmp_path)
+    manifest = json.loads((run / "manifest.json").read_text())
+    onnx_file = run / manifest["candidates"][-1]["artifact"]
+    ov.save_model(ov.convert_model(str(onnx_file)), str(run / "artifacts" / "pick.xml"))
+    manifest["candidates"][-1]["artifact"] = "artifacts/pick.xml"
+    manifest["selected_runtime"] = "openvino"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (model,) = load_served_models([run])
+    assert [(s.name, s.dtype, s.shape) for s in model.backend.inputs] == [
+        ("x", "float32", (None, 4))
+    ]
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    got = model.backend.run({"x": x})[model.backend.outputs[0].name]
+    # OpenVINO may run f32 models in bf16 on a CPU that has it: the model's values, not its bits
+    np.testing.assert_allclose(got, expected_logits(x), rtol=1e-2, atol=1e-2)

@@ -34,6 +34,9 @@ __all__ = [
     "ov_param_count",
     "ov_settings",
     "ov_version",
+    "port_dims",
+    "port_dtype",
+    "port_name",
     "require_openvino",
 ]
 
@@ -121,8 +124,8 @@ def ov_compile_named(
     core = ov.Core()
     try:
         model = core.read_model(str(path))
-        inputs = [_port_name(p, i, "input") for i, p in enumerate(model.inputs)]
-        outputs = [_port_name(p, i, "output") for i, p in enumerate(model.outputs)]
+        inputs = [port_name(p, i, "input") for i, p in enumerate(model.inputs)]
+        outputs = [port_name(p, i, "output") for i, p in enumerate(model.outputs)]
         compiled = core.compile_model(
             model, "CPU", ov_settings(threads, profile=profile, streams=streams)
         )
@@ -151,15 +154,15 @@ def ov_param_count(path: Path) -> int:
     )
 
 
-def _port_dtype(port: Any) -> str:
+def port_dtype(port: Any) -> str:
     return str(np.dtype(port.get_element_type().to_dtype()))
 
 
-def _port_dims(port: Any) -> list[int | None]:
+def port_dims(port: Any) -> list[int | None]:
     return [d.get_length() if d.is_static else None for d in port.get_partial_shape()]
 
 
-def _port_name(port: Any, index: int, prefix: str) -> str:
+def port_name(port: Any, index: int, prefix: str) -> str:
     names = port.get_names()
     return port.get_any_name() if names else f"{prefix}{index}"
 
@@ -183,7 +186,7 @@ class OvRunner(RowwiseRunner):
             path, threads, user_model=user_model
         )
         self.spec = {
-            n: (_port_dtype(p), _port_dims(p))
+            n: (port_dtype(p), port_dims(p))
             for n, p in zip(self.input_names, self.compiled.inputs, strict=True)
         }
         self.signature = signature
@@ -198,7 +201,7 @@ class OvRunner(RowwiseRunner):
     @property
     def output_dims(self) -> dict[str, list[Any]]:
         return {
-            n: _port_dims(p) for n, p in zip(self.output_names, self.compiled.outputs, strict=True)
+            n: port_dims(p) for n, p in zip(self.output_names, self.compiled.outputs, strict=True)
         }
 
     def _request(self) -> Any:

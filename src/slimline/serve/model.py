@@ -24,7 +24,7 @@ from ..candidate import is_ir
 from ..cpu import recorded_saturates
 from ..edge.setting import MemorySetting, session_path
 from ..errors import ManifestError, ModelFileError, ModelInputError, ServeError
-from ..measure.ov import ov_compile, ov_message
+from ..measure.ov import ov_compile, ov_message, port_dims, port_dtype, port_name
 from ..measure.runners import ORT_TO_NP
 from ..tensors import frozen_inputs
 
@@ -178,6 +178,19 @@ def onnx_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, [_tensor_spec(v) for v in model.graph.output]
 
 
+def ir_specs(compiled: Any) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Input and output specs of a compiled OpenVINO IR, as its ports declare them (an IR keeps
+    no symbolic dimension names: a free dimension is ``None``)."""
+
+    def specs(ports: Any, prefix: str) -> list[TensorSpec]:
+        return [
+            TensorSpec(port_name(p, i, prefix), port_dtype(p), tuple(port_dims(p)))
+            for i, p in enumerate(ports)
+        ]
+
+    return specs(compiled.inputs, "input"), specs(compiled.outputs, "output")
+
+
 class OvBackend:
     """An OpenVINO compiled model on the CPU; ``threads`` inference threads per call. Its
     metadata (names, dtypes, shapes, symbolic dimension names) is read from the ONNX graph, as
@@ -192,7 +205,10 @@ class OvBackend:
         if not self.path.is_file():
             raise ModelFileError(f"ONNX file {path} does not exist; check the path")
         self.compiled = ov_compile(self.path, threads, user_model=True, streams=streams)
-        self.inputs, self.outputs = onnx_specs(self.path)
+        # an IR (a run's NNCF pick) has no ONNX graph to read: its compiled ports say it
+        self.inputs, self.outputs = (
+            ir_specs(self.compiled) if is_ir(self.path) else onnx_specs(self.path)
+        )
         # a compiled port can carry more names than the file declared (a fused tensor's too)
         ports = {n: p for p in self.compiled.outputs for n in p.get_names()}
         self._ports = [ports[o.name] for o in self.outputs]
