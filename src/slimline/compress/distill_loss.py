@@ -22,7 +22,7 @@ from ..errors import RecipeError
 if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
     from torch import Tensor
 
-__all__ = ["EMBEDDING_LOSSES", "MIN_AREA", "LossSettings", "distill_loss"]
+__all__ = ["EMBEDDING_LOSSES", "MIN_AREA", "LossSettings", "distill_loss", "outputs_loss"]
 
 EMBEDDING_LOSSES = Literal["cosine", "mse", "bce", "bce_rows"]
 MIN_AREA = 0.01  # bce_rows: the smallest text area a row's weight divides by (share of pixels)
@@ -76,6 +76,40 @@ def distill_loss(
         ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), lab.reshape(-1).long())
         return cfg.alpha * kd + (1.0 - cfg.alpha) * ce
     return kd
+
+
+def outputs_loss(
+    student_out: Any,
+    teacher_out: Any,
+    labels: Any,
+    output_kind: str,
+    cfg: LossSettings,
+    task_loss: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Tensor:
+    """The distillation loss over every output of a model that returns several (a tuple or
+    list: a detector's score and box heads), as the mean of each output's loss; one output is
+    :func:`distill_loss` unchanged. The first output is the task's (its kind and labels); the
+    others are distilled as non-logit outputs, and under ``mse`` each one's error is taken
+    relative to its teacher's mean square, so that a head of large raw values does not drown a
+    head of probabilities."""
+    if not isinstance(student_out, (tuple, list)) or len(student_out) == 1:
+        return distill_loss(
+            _first(student_out), _first(teacher_out), labels, output_kind, cfg, task_loss
+        )
+    losses = []
+    for i, (s, t) in enumerate(zip(student_out, teacher_out, strict=True)):
+        kind = output_kind if i == 0 else "other"
+        loss = distill_loss(
+            s, t, labels if i == 0 else None, kind, cfg, task_loss if i == 0 else None
+        )
+        if cfg.embedding_loss == "mse" and kind != "logits":
+            loss = loss / t.detach().float().pow(2).mean().clamp_min(1e-12)
+        losses.append(loss)
+    return sum(losses[1:], losses[0]) / len(losses)
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _soft_bce(student: Tensor, teacher: Tensor, per_row: bool = False) -> Tensor:

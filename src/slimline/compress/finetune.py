@@ -24,7 +24,7 @@ from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
 from .augment import AUGMENTS, augment_rows, augmentable
-from .distill_loss import EMBEDDING_LOSSES, distill_loss
+from .distill_loss import EMBEDDING_LOSSES, distill_loss, outputs_loss
 from .features import FeatureTap, feature_loss, first_output
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
 
@@ -268,8 +268,18 @@ def _split(batches: Batches, val_batches: int) -> tuple[list[Any], int]:
     return val, val_batches
 
 
+def _outputs(out: Any, every: bool) -> Any:
+    """The outputs distilled: the first of a tuple, or with ``every`` all of them."""
+    return out if every and isinstance(out, (tuple, list)) else first_output(out)
+
+
 def _val_loss(
-    student: nn.Module, teacher: nn.Module, val: list[Any], output_kind: str, cfg: FinetuneConfig
+    student: nn.Module,
+    teacher: nn.Module,
+    val: list[Any],
+    output_kind: str,
+    cfg: FinetuneConfig,
+    all_outputs: bool = False,
 ) -> float:
     import torch
 
@@ -279,11 +289,8 @@ def _val_loss(
     with torch.no_grad():
         for inputs, _ in val:
             x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
-            total += float(
-                distill_loss(
-                    first_output(student(**x)), first_output(teacher(**x)), None, output_kind, cfg
-                )
-            )
+            s_out, t_out = _outputs(student(**x), all_outputs), _outputs(teacher(**x), all_outputs)
+            total += float(outputs_loss(s_out, t_out, None, output_kind, cfg))
     student.train(was_training)
     return total / len(val)
 
@@ -300,6 +307,7 @@ def distill(
     on_step: Callable[[int, float], None] | None = None,
     checkpoint: TrainCheckpoint | None = None,
     hooks: DistillHooks | None = None,
+    all_outputs: bool = False,
 ) -> FinetuneResult:
     """Fine-tune ``student`` (the caller's own module: its weights, BatchNorm statistics and
     training flag change) in place to match ``teacher`` (run in eval mode, as an eval-mode copy
@@ -308,7 +316,9 @@ def distill(
     logits). The best held-out weights are kept. A ``checkpoint`` saves the whole training state
     at every held-out evaluation, and a run that finds one continues from it. ``hooks``
     (:class:`DistillHooks`) let a technique change the student, its parameter groups and each
-    step. Parts: :class:`TrainingStep`, :class:`EarlyStopping`, :func:`_training_state`."""
+    step. ``all_outputs``: a model that returns several outputs is distilled on all of them
+    (:func:`.distill_loss.outputs_loss`), not only its first. Parts: :class:`TrainingStep`,
+    :class:`EarlyStopping`, :func:`_training_state`."""
     from tqdm.auto import tqdm
 
     lr = resolve_lr(task, cfg)
@@ -318,14 +328,14 @@ def distill(
     val, skip = _split(batches, cfg.val_batches)
 
     def held_out() -> float:
-        loss = _val_loss(student, teacher, val, output_kind, cfg)
+        loss = _val_loss(student, teacher, val, output_kind, cfg, all_outputs)
         return hooks.held_out_loss(student, teacher, val, loss)
 
     before = held_out()
     result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
     if cfg.steps == 0:
         return result
-    train = TrainingStep(student, teacher, cfg, lr, output_kind, task, hooks)
+    train = TrainingStep(student, teacher, cfg, lr, output_kind, task, hooks, all_outputs)
     stop = EarlyStopping(student, before, cfg.min_delta, cfg.patience)
     running, start = 0.0, 0
     saved = checkpoint.load() if checkpoint is not None else None
@@ -412,10 +422,12 @@ class TrainingStep:
         output_kind: str,
         task: Task | None,
         hooks: DistillHooks,
+        all_outputs: bool = False,
     ) -> None:
         import torch
 
         self.student, self.teacher, self.cfg, self.hooks = student, teacher, cfg, hooks
+        self.all_outputs = all_outputs
         self.output_kind, self.task_loss = output_kind, task.loss if task is not None else None
         groups = hooks.param_groups(student, [p for p in student.parameters() if p.requires_grad])
         self.params = [p for g in groups for p in g["params"]]
@@ -441,10 +453,10 @@ class TrainingStep:
         if self.taps is not None:  # drop what held-out evaluations collected
             self.taps[0].take(), self.taps[1].take()
         with torch.no_grad():
-            t_out = first_output(self.teacher(**x))
+            t_out = _outputs(self.teacher(**x), self.all_outputs)
         self.hooks.before_forward(step, self.student)
-        s_out = first_output(self.student(**x))
-        loss = distill_loss(s_out, t_out, labels, self.output_kind, cfg, self.task_loss)
+        s_out = _outputs(self.student(**x), self.all_outputs)
+        loss = outputs_loss(s_out, t_out, labels, self.output_kind, cfg, self.task_loss)
         if self.taps is not None:
             s_tap, t_tap = self.taps
             loss = loss + cfg.feature_weight * feature_loss(

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from slimline import api, load_task
 from slimline.compress.finetune import FinetuneConfig
 from slimline.compress.qat import fakequant as fq
-from slimline.compress.qat.onnx_module import check_against_onnx, rename_output, to_torch
+from slimline.compress.qat.onnx_module import check_against_onnx, rename_outputs, to_torch
 from slimline.compress.qat.step import QatConfig
 from slimline.compress.quant.config import QuantizeConfig
 from slimline.errors import StepError
@@ -112,7 +112,7 @@ def test_the_converted_module_computes_what_onnx_runtime_computes() -> None:
     convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(convs) == 4 and convs[1].groups == 8  # the depthwise one
     assert all(p.requires_grad for p in module.parameters())  # trainable
-    check = check_against_onnx(module, lambda b: _ort(model, b["x"]), [{"x": x}], 8, 0.9999)
+    check = check_against_onnx(module, lambda b: [_ort(model, b["x"])], [{"x": x}], 8, 0.9999)
     assert check["rows"] == 3 and check["cosine_min"] > 0.9999
 
 
@@ -187,13 +187,13 @@ def test_a_disagreeing_conversion_is_rejected() -> None:
     model = _tiny_cnn()
     x = _rows(2)
     with pytest.raises(StepError, match="disagrees with ONNX Runtime on 2 of 2 rows"):
-        check_against_onnx(to_torch(model), lambda b: -_ort(model, b["x"]), [{"x": x}], 8, 0.9999)
+        check_against_onnx(to_torch(model), lambda b: [-_ort(model, b["x"])], [{"x": x}], 8, 0.9999)
 
 
 def test_the_export_gets_the_source_output_name(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save(_tiny_cnn(), str(path))
-    rename_output(path, "probabilities")
+    rename_outputs(path, ["probabilities"])
     renamed = onnx.load(str(path))
     assert renamed.graph.output[0].name == "probabilities"
     np.testing.assert_allclose(_ort(renamed, _rows(1)), _ort(_tiny_cnn(), _rows(1)))

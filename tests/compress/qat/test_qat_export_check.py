@@ -59,7 +59,7 @@ def _sample() -> dict[str, np.ndarray]:
 def _floor(model: nn.Module) -> float:
     sample = _sample()
     with torch.no_grad():
-        ref = model(torch.from_numpy(sample["x"])).numpy()
+        ref = [model(torch.from_numpy(sample["x"])).numpy()]
     return _noise_floor(model, sample, ref)
 
 

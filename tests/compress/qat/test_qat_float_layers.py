@@ -81,8 +81,8 @@ def test_layers_can_be_ranked_by_the_declared_agreement_with_cosine_breaking_tie
         rows = g.score_float * 16
         assert 0.0 <= rows - np.floor(rows) <= 16 * COSINE_TIE_WEIGHT + 1e-9
     x = np.array([[1.0, 0.0], [0.0, 1.0]])
-    assert top1(x, x) == 1.0 and top1(x, x[::-1]) == 0.0
-    assert declared_score(top1)(x, x) == pytest.approx(1.0 + COSINE_TIE_WEIGHT)
+    assert top1([x], [x]) == 1.0 and top1([x], [x[::-1]]) == 0.0
+    assert declared_score(top1)([x], [x]) == pytest.approx(1.0 + COSINE_TIE_WEIGHT)
 
 
 def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...outputs import ProbabilityMapOutput
-from ..features import first_output
 from ..finetune import to_tensors
 
 if TYPE_CHECKING:
@@ -31,7 +30,14 @@ if TYPE_CHECKING:
     from ...measure.judge import Judge
     from ...task import Task
 
-__all__ = ["TIE_WEIGHT", "DeclaredScore", "declared_output", "held_out_outputs", "kind_loss"]
+__all__ = [
+    "TIE_WEIGHT",
+    "DeclaredScore",
+    "declared_output",
+    "held_out_outputs",
+    "kind_loss",
+    "output_arrays",
+]
 
 # weight of the distillation loss (relative to its value at step 0) in the held-out score: it
 # only orders evaluations of equal agreement, so it stays below one agreement step of a few
@@ -40,9 +46,9 @@ TIE_WEIGHT = 1e-3
 
 
 def declared_output(task: Task, output: str | None) -> str | None:
-    """The name under which the task's judge reads the trained model's one output: ``output``
-    (an ONNX task's converted graph names it) when the judge declares it, else the judge's one
-    declared output; None where the task declares none (or several)."""
+    """The name under which the task's judge reads the trained model's (first) output:
+    ``output`` (an ONNX task's converted graph names it) when the judge declares it, else the
+    judge's one declared output; None where the task declares none (or several)."""
     judge = task.judge
     if judge is None:
         return None
@@ -51,16 +57,25 @@ def declared_output(task: Task, output: str | None) -> str | None:
     return next(iter(judge.declared)) if len(judge.declared) == 1 else None
 
 
-def kind_loss(task: Task, output: str | None) -> str | None:
+def kind_loss(task: Task, output: str | None, outputs: int = 1) -> str | None:
     """``finetune.embedding_loss`` that matches the declared kind of ``output``: ``bce`` for a
-    probability map; None where the configured loss stays."""
-    if output is None or task.judge is None:
+    probability map that is the model's one output (of ``outputs``: the other outputs of a
+    model with several are not probabilities); None where the configured loss stays."""
+    if output is None or task.judge is None or outputs != 1:
         return None
     return "bce" if isinstance(task.judge.declared[output], ProbabilityMapOutput) else None
 
 
-def held_out_outputs(student: Any, teacher: Any, val: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The first output of ``student`` (in eval mode, restored after) and of ``teacher`` on the
+def output_arrays(out: Any) -> list[np.ndarray]:
+    """A torch model's output, or each of its outputs (a tuple or list), as float arrays."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [np.asarray(o.detach().float().numpy()) for o in items]
+
+
+def held_out_outputs(
+    student: Any, teacher: Any, val: list[Any]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every output of ``student`` (in eval mode, restored after) and of ``teacher`` on the
     held-out batches ``val``, each concatenated over the batches."""
     import torch
 
@@ -71,20 +86,26 @@ def held_out_outputs(student: Any, teacher: Any, val: list[Any]) -> tuple[np.nda
         with torch.no_grad():
             for inputs, _ in val:
                 x = to_tensors(inputs)
-                outs.append(first_output(student(**x)).float().numpy())
-                refs.append(first_output(teacher(**x)).float().numpy())
+                outs.append(output_arrays(student(**x)))
+                refs.append(output_arrays(teacher(**x)))
     finally:
         student.train(was_training)
-    return np.concatenate(outs), np.concatenate(refs)
+    return _joined(outs), _joined(refs)
+
+
+def _joined(batches: list[list[np.ndarray]]) -> list[np.ndarray]:
+    return [np.concatenate(parts) for parts in zip(*batches, strict=True)]
 
 
 class DeclaredScore:
-    """The held-out score of a QAT student: ``1 - agreement`` of its output with the teacher's
-    as the task's judge scores it, plus :data:`TIE_WEIGHT` x the distillation loss relative to
-    the first one. Keeps each evaluation's agreement for the step's record."""
+    """The held-out score of a QAT student: ``1 - agreement`` of its outputs with the teacher's
+    as the task's judge scores them, plus :data:`TIE_WEIGHT` x the distillation loss relative to
+    the first one. Keeps each evaluation's agreement for the step's record. ``output`` names the
+    model's first output for the judge, ``others`` the rest in order (an ONNX graph's outputs:
+    a box decoder reads them all)."""
 
-    def __init__(self, judge: Judge, output: str) -> None:
-        self.judge, self.output = judge, output
+    def __init__(self, judge: Judge, output: str, others: tuple[str, ...] = ()) -> None:
+        self.judge, self.output, self.names = judge, output, (output, *others)
         self.first_loss: float | None = None
         self.history: list[dict[str, float]] = []
 
@@ -92,10 +113,12 @@ class DeclaredScore:
         """The lowest agreement over the declared outputs, on the held-out batches."""
         return self.of_outputs(*held_out_outputs(student, teacher, val))
 
-    def of_outputs(self, out: np.ndarray, ref: np.ndarray) -> float:
+    def of_outputs(self, out: list[np.ndarray], ref: list[np.ndarray]) -> float:
         """The lowest declared agreement of outputs ``out`` with the teacher's ``ref`` (the
         float-layer search ranks layers by it: ``sensitivity.declared_score``)."""
-        scores = self.judge.score({self.output: out}, {self.output: ref})
+        # a torch task's module names its first output only: its others are not read
+        got = dict(zip(self.names, out, strict=False))
+        scores = self.judge.score(got, dict(zip(self.names, ref, strict=False)))
         return min(float(s["agreement"]) for s in scores.values())
 
     def __call__(

@@ -37,7 +37,7 @@ from ...errors import StepError
 from .onnx_fold import fold_conv_bias
 from .onnx_ops import CONVERTERS, Builder, Dims, Env, attrs, unsupported
 
-__all__ = ["CONVERTERS", "check_against_onnx", "module_for", "rename_output", "to_torch"]
+__all__ = ["CONVERTERS", "check_against_onnx", "module_for", "rename_outputs", "to_torch"]
 
 # the output scale below which the conversion check's error bound stops shrinking: a probability
 # map that is ~0 everywhere (a text detector on a text-free photo) is compared within 1e-6
@@ -116,14 +116,8 @@ def _note_rank(b: Builder, node: onnx.NodeProto) -> None:
 
 
 def _check_graph(model: onnx.ModelProto) -> int:
-    """The default domain's opset; one float output and identifier-named inputs, or an error."""
+    """The default domain's opset; float, identifier-named inputs, or an error."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    outputs = [o.name for o in model.graph.output]
-    if len(outputs) != 1:
-        raise StepError(
-            f"QAT from an ONNX file trains a model with one output, and this one has "
-            f"{len(outputs)} ({', '.join(outputs)}); use quantize without QAT for it"
-        )
     inits = {i.name for i in model.graph.initializer}
     for inp in model.graph.input:
         if inp.name in inits:
@@ -143,7 +137,7 @@ def _check_graph(model: onnx.ModelProto) -> int:
 
 def to_torch(model: onnx.ModelProto, *, free_batch: bool = False) -> fx.GraphModule:
     """``model`` as a GraphModule (eval mode) taking its graph inputs by name, returning its one
-    output; a :class:`StepError` names the first op (or attribute) it cannot convert. A
+    output, or a tuple of its outputs in the graph's order; a :class:`StepError` names the first op (or attribute) it cannot convert. A
     convolution's separate per-channel bias ``Add`` is folded into it first (:mod:`.onnx_fold`)."""
     opset = _check_graph(model)
     model = fold_conv_bias(model)
@@ -173,92 +167,122 @@ def to_torch(model: onnx.ModelProto, *, free_batch: bool = False) -> fx.GraphMod
             )
         b.env[node.output[0]] = convert(b, node)
         _note_rank(b, node)
-    out = b.env[model.graph.output[0].name]
-    if not isinstance(out, fx.Node):
-        raise StepError("the ONNX model's output is a constant: there is nothing to train")
-    b.graph.output(out)
+    outs = [b.env[o.name] for o in model.graph.output]
+    for o, value in zip(model.graph.output, outs, strict=True):
+        if not isinstance(value, fx.Node):
+            raise StepError(
+                f"the ONNX model's output {o.name!r} is a constant, not computed from the "
+                "inputs: QAT trains outputs the inputs decide; remove it from the graph's outputs"
+            )
+    b.graph.output(outs[0] if len(outs) == 1 else tuple(outs))
     module = fx.GraphModule(b.root, b.graph)
     module.eval()
     return module
 
 
-def rename_output(path: Path, name: str) -> None:
-    """Give the one output of the exported QDQ file ``path`` the source model's name, so that
-    the task's declarations (``outputs:``), its signature and its metric hook read it."""
+def rename_outputs(path: Path, names: list[str]) -> None:
+    """Give the outputs of the exported QDQ file ``path`` the source model's names, in order, so
+    that the task's declarations (``outputs:``), its signature and its metric hook read them."""
     model = onnx.load(str(path))
-    old = model.graph.output[0].name
-    if old == name:
+    old = [o.name for o in model.graph.output]
+    if len(old) != len(names):
+        raise StepError(
+            f"the QDQ export has {len(old)} outputs where the ONNX model has {len(names)} "
+            f"({', '.join(names)}): the exporter merged or dropped some"
+        )
+    rename = {o: n for o, n in zip(old, names, strict=True) if o != n}
+    if not rename:
         return
+    taken = {t for node in model.graph.node for t in (*node.input, *node.output)} - set(old)
+    for name in sorted(set(rename.values()) & taken):  # rename an inner tensor out of the way
+        rename[name] = f"{name}__inner"
     for node in model.graph.node:
-        node.output[:] = [name if o == old else o for o in node.output]
-        node.input[:] = [name if i == old else i for i in node.input]
-    model.graph.output[0].name = name
+        node.output[:] = [rename.get(o, o) for o in node.output]
+        node.input[:] = [rename.get(i, i) for i in node.input]
+    for out in model.graph.output:
+        out.name = rename.get(out.name, out.name)
     onnx.save(model, str(path))
 
 
 def check_against_onnx(
     module: Any,
-    run_onnx: Callable[[dict[str, np.ndarray]], np.ndarray],
+    run_onnx: Callable[[dict[str, np.ndarray]], list[np.ndarray]],
     batches: Iterable[dict[str, np.ndarray]],
     rows: int,
     bound: float,
+    names: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The converted ``module`` against the ONNX model (``run_onnx``: its output on a batch) on
-    up to ``rows`` sample rows: each row's cosine must reach ``bound``, or, for a row whose
-    output is close to 0 everywhere (where cosine measures float noise), its largest error must
-    stay within ``1 - bound`` of the largest output over all rows (at least of
-    :data:`MIN_SCALE`). Returns the figures; a :class:`StepError` where a row fails."""
-    got, want, seen = [], [], 0
+    """The converted ``module`` against the ONNX model (``run_onnx``: its outputs on a batch, in
+    the graph's order; ``names`` them) on up to ``rows`` sample rows: on every output, each
+    row's cosine must reach ``bound``, or, for a row whose output is close to 0 everywhere
+    (where cosine measures float noise), its largest error must stay within ``1 - bound`` of the
+    largest output over all rows (at least of :data:`MIN_SCALE`). Returns the figures (of the
+    worst output); a :class:`StepError` names the output and rows that fail."""
+    got: list[list[np.ndarray]] = []
+    want: list[list[np.ndarray]] = []
+    seen = 0
     with torch.no_grad():
         for batch in batches:
             x = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
-            got.append(module(**x).float().numpy())
-            want.append(np.asarray(run_onnx(batch), np.float32))
-            seen += len(got[-1])
+            out = module(**x)
+            got.append([o.float().numpy() for o in (out if isinstance(out, tuple) else (out,))])
+            want.append([np.asarray(w, np.float32) for w in run_onnx(batch)])
+            seen += len(got[-1][0])
             if seen >= rows:
                 break
-    a = np.concatenate(got)[:rows].reshape(min(seen, rows), -1).astype(np.float64)
-    r = np.concatenate(want)[:rows].reshape(len(a), -1).astype(np.float64)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(r, axis=1)
-    cos = np.where(norms > 0, (a * r).sum(1) / np.where(norms > 0, norms, 1.0), 1.0)
-    err = np.abs(a - r).max(1)
-    scale = max(float(np.abs(r).max()), MIN_SCALE)
-    ok = (cos >= bound) | (err <= (1.0 - bound) * scale)
-    out = {
-        "rows": len(a),
-        "cosine_mean": float(cos.mean()),
-        "cosine_min": float(cos.min()),
-        "max_abs_err": float(err.max()),
+    n = min(seen, rows)
+    names = names or [f"output {i}" for i in range(len(got[0]))]
+    cos_all, err_all, ok_all = [], [], np.ones(n, bool)
+    for i, name in enumerate(names):
+        a = np.concatenate([g[i] for g in got])[:n].reshape(n, -1).astype(np.float64)
+        r = np.concatenate([w[i] for w in want])[:n].reshape(n, -1).astype(np.float64)
+        norms = np.linalg.norm(a, axis=1) * np.linalg.norm(r, axis=1)
+        cos = np.where(norms > 0, (a * r).sum(1) / np.where(norms > 0, norms, 1.0), 1.0)
+        err = np.abs(a - r).max(1)
+        scale = max(float(np.abs(r).max()), MIN_SCALE)
+        ok = (cos >= bound) | (err <= (1.0 - bound) * scale)
+        if not ok.all():
+            which = f" on output {name!r}" if len(names) > 1 else ""
+            raise StepError(
+                f"the torch module converted from the ONNX file disagrees with ONNX Runtime"
+                f"{which} on {int((~ok).sum())} of {n} rows (cosine min {cos.min():.6f} < "
+                f"{bound}, max abs error {err.max():.3g}); QAT needs a torch task for this model"
+            )
+        cos_all.append(cos)
+        err_all.append(err)
+        ok_all &= ok
+    worst = int(np.argmin([c.mean() for c in cos_all]))
+    return {
+        "rows": n,
+        "cosine_mean": float(cos_all[worst].mean()),
+        "cosine_min": float(min(c.min() for c in cos_all)),
+        "max_abs_err": float(max(e.max() for e in err_all)),
         "bound": bound,
-        "rows_within": int(ok.sum()),
+        "rows_within": int(ok_all.sum()),
     }
-    if not ok.all():
-        raise StepError(
-            f"the torch module converted from the ONNX file disagrees with ONNX Runtime on "
-            f"{int((~ok).sum())} of {len(a)} rows (cosine min {cos.min():.6f} < {bound}, max "
-            f"abs error {err.max():.3g}); QAT needs a torch task for this model"
-        )
-    return out
 
 
 def module_for(cand: Candidate, ctx: StepContext) -> tuple[Any, dict[str, Any]]:
     """The trainable FP32 torch module of ``cand``'s float ONNX graph (an ONNX task's), checked
     against ONNX Runtime on the task's calibration rows, and the record of that: the file, the
-    output's name (the QDQ export is given it back) and the check's figures."""
+    outputs' names (the QDQ export is given them back; ``output``: the first) and the check's
+    figures."""
     from ...measure.runners import OrtRunner
 
     path = quantizable_graph(cand)
     model = onnx.load(str(path))
     sig = ctx.task.signature
     module = to_torch(model, free_batch=sig is not None and sig.max_batch == 1)
-    output = model.graph.output[0].name
+    names = [o.name for o in model.graph.output]
     runner = OrtRunner(cand.name, path, ctx.threads, sig)
+
+    def run_onnx(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outs = runner.run_all(batch)
+        return [outs[n] for n in names]
+
     check = check_against_onnx(
-        module,
-        lambda batch: runner.run_all(batch)[output],
-        ctx.task.calibration_data(),
-        CHECK_ROWS,
-        CHECK_BOUND,
+        module, run_onnx, ctx.task.calibration_data(), CHECK_ROWS, CHECK_BOUND, names
     )
     ops = sorted({n.op_type for n in model.graph.node})
-    return module, {"source": path.name, "output": output, "ops": ops, "check": check}
+    record = {"source": path.name, "output": names[0], "ops": ops, "check": check}
+    return module, {**record, **({"outputs": names} if len(names) > 1 else {})}

@@ -21,25 +21,29 @@ import numpy as np
 from ...measure.quality import fidelity
 from ...tensors import take_samples
 from ..finetune import to_tensors
+from .held_out import output_arrays
 
 __all__ = ["LayerGain", "Score", "choose_float", "cosine_score", "declared_score", "layer_gains"]
 
-# outputs of the student and of the FP32 teacher on the same rows -> higher is closer
-Score = Callable[[np.ndarray, np.ndarray], float]
+# every output of the student and of the FP32 teacher on the same rows -> higher is closer
+Score = Callable[[list[np.ndarray], list[np.ndarray]], float]
 
 # weight of the cosine in a declared score: it only orders layers of equal agreement
 COSINE_TIE_WEIGHT = 1e-3
 
 
-def cosine_score(out: np.ndarray, ref: np.ndarray) -> float:
-    return float(fidelity(out, ref, False)["cosine_mean"] or 0.0)
+def cosine_score(out: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    """The lowest mean cosine over the outputs."""
+    return min(
+        float(fidelity(o, r, False)["cosine_mean"] or 0.0) for o, r in zip(out, ref, strict=True)
+    )
 
 
 def declared_score(agreement: Score) -> Score:
     """The declared ``agreement`` of the outputs, plus :data:`COSINE_TIE_WEIGHT` x their cosine
     (a few rows can tie on agreement)."""
 
-    def score(out: np.ndarray, ref: np.ndarray) -> float:
+    def score(out: list[np.ndarray], ref: list[np.ndarray]) -> float:
         return agreement(out, ref) + COSINE_TIE_WEIGHT * cosine_score(out, ref)
 
     return score
@@ -56,13 +60,11 @@ class LayerGain:
         return asdict(self)
 
 
-def _outputs(model: Any, rows: dict[str, np.ndarray]) -> np.ndarray:
+def _outputs(model: Any, rows: dict[str, np.ndarray]) -> list[np.ndarray]:
     import torch
 
     with torch.no_grad():
-        out = model(**to_tensors(rows))
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return np.asarray(out.float().numpy())
+        return output_arrays(model(**to_tensors(rows)))
 
 
 def _compute_layers(student: Any) -> dict[str, list[Any]]:

@@ -49,7 +49,7 @@ from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
 from .export_where import failing_module, node_of_op
-from .held_out import DeclaredScore, declared_output, kind_loss
+from .held_out import DeclaredScore, declared_output, kind_loss, output_arrays
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
@@ -341,22 +341,30 @@ def gains_table(gains: list[LayerGain], limit: int = 16) -> list[dict[str, Any]]
     return [g.to_dict() for g in gains[:limit]]
 
 
-def _judged(cfg: QatConfig, ctx: StepContext, output: str | None) -> tuple[Any, Any]:
+def _judged(cfg: QatConfig, ctx: StepContext, outputs: list[str] | None) -> tuple[Any, Any]:
     """The fine-tuning settings with the declared kind's loss, and the held-out score by the
     declared kind (None: the distillation loss), where ``judge_declared`` and the task declare
-    the trained output (:mod:`.held_out`)."""
+    the trained outputs (:mod:`.held_out`). ``outputs``: the names of a converted ONNX graph's
+    outputs, in the module's order (None: a torch task's module, judged on its first)."""
     ft_cfg = cfg.finetune.model_copy(update={"progress": cfg.progress and cfg.finetune.progress})
-    name = declared_output(ctx.task, output) if cfg.judge_declared else None
-    if name is None or ctx.task.judge is None:
+    judge = ctx.task.judge
+    if not cfg.judge_declared or judge is None:
+        return ft_cfg, None
+    if outputs is not None and len(outputs) > 1:  # a decoder may read every output
+        if not set(judge.declared) <= set(outputs):
+            return ft_cfg, None
+        return ft_cfg, DeclaredScore(judge, outputs[0], tuple(outputs[1:]))
+    name = declared_output(ctx.task, outputs[0] if outputs else None)
+    if name is None:
         return ft_cfg, None
     loss = kind_loss(ctx.task, name)
     if loss is not None and ft_cfg.embedding_loss not in BCE_LOSSES:  # a bce the recipe set stays
         ft_cfg = ft_cfg.model_copy(update={"embedding_loss": loss})
-    return ft_cfg, DeclaredScore(ctx.task.judge, name)
+    return ft_cfg, DeclaredScore(judge, name)
 
 
 def _train(
-    cfg: QatConfig, module: Any, ctx: StepContext, state: Path, output: str | None
+    cfg: QatConfig, module: Any, ctx: StepContext, state: Path, outputs: list[str] | None
 ) -> dict[str, Any]:
     """Prepare, calibrate and fine-tune the fake-quant student; returns it and its record."""
     fmt = fq.format_for(detect_cpu(), cfg.quantize_ops, tuple(cfg.float_modules))
@@ -364,7 +372,7 @@ def _train(
     if note:
         ctx.warn(note)
     teacher = _frozen(module)
-    ft_cfg, score = _judged(cfg, ctx, output)
+    ft_cfg, score = _judged(cfg, ctx, outputs)
     val = list(itertools.islice(data(), cfg.finetune.val_batches))  # distill's held-out ones
     start: dict[str, Any] = {"teacher": teacher, "val": val, "score": score}
     student, rows = _started(cfg, module, fmt, ctx, start)
@@ -400,6 +408,7 @@ def _train(
         desc="qat",
         checkpoint=FileCheckpoint(state / "train.pt", "qat"),
         hooks=hooks,
+        all_outputs=True,
     )
     fq.freeze_observers(student)
     fq.freeze_bn(student)
@@ -458,8 +467,8 @@ def _with_agreement(history: list[dict[str, float]], score: Any) -> list[dict[st
 NOISE = 1e-6  # relative perturbation of the noise floor: float32 sums of a few hundred terms
 
 
-def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> float:
-    """Mean cosine of the fake-quant model's outputs on ``sample`` to its outputs when every
+def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: list[np.ndarray]) -> float:
+    """Mean cosine (of the worst output) of the fake-quant model's outputs on ``sample`` to its outputs when every
     value it quantizes (the input of each activation fake quant, the model's input among them)
     is moved by relative Gaussian noise of ``NOISE``: the difference a float implementation
     with another summation order makes at each layer, and so how far two correct
@@ -482,11 +491,11 @@ def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: np.ndarray) -> 
     handles = [m.register_forward_pre_hook(jitter) for m in acts]
     try:
         with torch.no_grad():
-            moved = model(**to_tensors(sample)).float().numpy()
+            moved = output_arrays(model(**to_tensors(sample)))
     finally:
         for h in handles:
             h.remove()
-    return float(fidelity(moved, ref, logits=False)["cosine_mean"] or 0.0)
+    return cosine_score(moved, ref)
 
 
 def _verify(
@@ -502,12 +511,13 @@ def _verify(
     from ...measure.runners import ort_session
 
     with torch.no_grad():
-        ref = model(**to_tensors(sample)).float().numpy()
+        ref = output_arrays(model(**to_tensors(sample)))
     sess = ort_session(path, threads)
-    got = sess.run(None, {k: np.ascontiguousarray(v) for k, v in sample.items()})[0]
-    agree = fidelity(got, ref, logits=False)
+    got = sess.run(None, {k: np.ascontiguousarray(v) for k, v in sample.items()})
+    each = [fidelity(g, r, logits=False) for g, r in zip(got, ref, strict=True)]
+    agree = min(each, key=lambda f: f["cosine_mean"] or 0.0)  # the worst output's
     out: dict[str, Any] = {
-        "rows": len(ref),
+        "rows": len(ref[0]),
         **{k: agree[k] for k in ("cosine_mean", "cosine_min", "max_abs_err")},
         "exporter": "torchscript (torch.onnx.export dynamo=False)",
         "bound": cfg.min_export_cosine,
@@ -542,13 +552,13 @@ def run_qat(
     state = _state_dir(cfg, cand, ctx)
     with torch_threads(ctx.threads):
         module, converted = _input_module(cand, ctx)
-        output = converted["output"] if converted is not None else None
-        trained = _train(cfg, module, ctx, state, output)
+        names = converted.get("outputs", [converted["output"]]) if converted else None
+        trained = _train(cfg, module, ctx, state, names)
         path, check = _export(cfg, trained["student"], ctx)
-    if converted is not None:  # the task's declarations and signature name the ONNX output
-        from .onnx_module import rename_output
+    if names is not None:  # the task's declarations and signature name the ONNX outputs
+        from .onnx_module import rename_outputs
 
-        rename_output(path, converted["output"])
+        rename_outputs(path, names)
     kernels = kernel_report(path, ctx.threads)
     qat = Candidate("qat", "qat", cand.name, onnx=path)
     if ptq is None and cfg.compare_ptq and cand.onnx is not None:
