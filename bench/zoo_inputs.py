@@ -419,9 +419,14 @@ def layout_inputs() -> Split:
     ImageNet mean and std, CHW, fixed batch 1): pages set from the even text lines and the
     calibration photos calibrate, from the odd lines and the evaluation photos evaluate."""
     lines = text_lines()
+    return (
+        layout_rows(lines[0::2], CALIB_PHOTOS[:6], 0),
+        layout_rows(lines[1::2], EVAL_PHOTOS[:6], 100),
+    )
 
-    def stack(lines: list[np.ndarray], photos: tuple[str, ...], seed: int) -> Arrays:
-        pages = [layout_page(lines, photo(p), seed + k) for k, p in enumerate(photos)]
-        return {"image": np.stack([imagenet_chw(np.stack([p] * 3, axis=-1)) for p in pages])}
 
-    return stack(lines[0::2], CALIB_PHOTOS[:6], 0), stack(lines[1::2], EVAL_PHOTOS[:6], 100)
+def layout_rows(lines: list[np.ndarray], photos: tuple[str, ...], seed: int) -> Arrays:
+    """One layout page per photo (seeds ``seed``, ``seed + 1``, ...), preprocessed as
+    ``PPPreProcess`` does."""
+    pages = [layout_page(lines, photo(p), seed + k) for k, p in enumerate(photos)]
+    return {"image": np.stack([imagenet_chw(np.stack([p] * 3, axis=-1)) for p in pages])}

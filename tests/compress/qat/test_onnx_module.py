@@ -272,3 +272,40 @@ def test_an_onnx_task_qat_cannot_convert_is_rejected_and_ptq_stands(
     )
     (qat,) = [a for a in ctx.alternatives if a.step == "qat"]
     assert qat.accepted is False and "unsupported ONNX op Erf (node erf_1)" in qat.reason
+
+
+@pytest.mark.parametrize(("opset", "sizes"), [(11, [3, 5]), (13, [3, 5]), (13, None)])
+def test_split_gives_each_part_to_its_output(opset: int, sizes: list[int] | None) -> None:
+    """Split by sizes (an attribute before opset 13, an input from 13) or into equal parts, its
+    outputs read on (PP-PicoDet splits each head into scores and box distributions)."""
+    inputs, attrs = ["x"], {"axis": 1}
+    nodes = []
+    if sizes is not None and opset >= 13:
+        nodes.append(_const("sizes", np.array(sizes, np.int64)))
+        inputs.append("sizes")
+    elif sizes is not None:
+        attrs["split"] = sizes
+    nodes += [
+        helper.make_node("Split", inputs, ["a", "b"], **attrs),
+        helper.make_node("Sigmoid", ["a"], ["sa"]),
+        helper.make_node("Relu", ["b"], ["rb"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "split",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 4, 4])],
+        [
+            helper.make_tensor_value_info("sa", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("rb", TensorProto.FLOAT, None),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7
+    x = np.random.default_rng(4).normal(0, 1, (2, 8, 4, 4)).astype(np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": x})
+    with torch.no_grad():
+        got = to_torch(model)(torch.from_numpy(x))
+    assert [g.shape[1] for g in got] == [w.shape[1] for w in want] == (sizes or [4, 4])
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w, atol=1e-6)

@@ -98,10 +98,11 @@ SAME_RANK = frozenset(CONVERTERS) - {
     "Shape",
     "Gather",
 }
+MULTI_OUTPUT = frozenset({"Split"})  # converters that return one value per node output
 
 
-def _note_rank(b: Builder, node: onnx.NodeProto) -> None:
-    out = node.output[0]
+def _note_rank(b: Builder, node: onnx.NodeProto, out: str | None = None) -> None:
+    out = out or node.output[0]
     if b.shapes.get(out) is not None or isinstance(b.env[out], Dims):
         return
     if node.op_type == "Reshape" and isinstance(b.env[node.input[1]], (Dims, np.ndarray)):
@@ -165,8 +166,14 @@ def to_torch(model: onnx.ModelProto, *, free_batch: bool = False) -> fx.GraphMod
                 "detectors, not this one; QAT needs a torch task for this model (a task .py "
                 "whose model() returns it), or use quantize without QAT"
             )
-        b.env[node.output[0]] = convert(b, node)
-        _note_rank(b, node)
+        value = convert(b, node)
+        if node.op_type in MULTI_OUTPUT:  # one value per output (Split)
+            for name, part in zip(node.output, value, strict=True):
+                b.env[name] = part
+                _note_rank(b, node, name)
+        else:
+            b.env[node.output[0]] = value
+            _note_rank(b, node)
     outs = [b.env[o.name] for o in model.graph.output]
     for o, value in zip(model.graph.output, outs, strict=True):
         if not isinstance(value, fx.Node):

@@ -459,6 +459,22 @@ def _gather(b: Builder, node: onnx.NodeProto) -> Any:
     return out
 
 
+def _split(b: Builder, node: onnx.NodeProto) -> list[Any]:
+    """Split into the given sizes (the ``split`` attribute before opset 13, the input from
+    13), or into as many equal parts as it has outputs (the last one smaller where the axis
+    does not divide, as opset 18 says): one fx node per output."""
+    a = attrs(node)
+    sizes = a.get("split") if b.opset < 13 else b.optional(node, 1)
+    x, axis = b.env[node.input[0]], int(a.get("axis", 0))
+    if isinstance(x, Dims):
+        raise unsupported(node, "a computed shape is split")
+    if sizes is not None and len(sizes):
+        parts = b.call(torch.split, x, [int(n) for n in np.asarray(sizes).reshape(-1)], axis)
+    else:
+        parts = b.call(torch.chunk, x, int(a.get("num_outputs", len(node.output))), axis)
+    return [b.call(operator.getitem, parts, i) for i in range(len(node.output))]
+
+
 CONVERTERS: dict[str, Callable[[Builder, onnx.NodeProto], Any]] = {
     "Conv": _conv,
     "ConvTranspose": _conv_transpose,
@@ -482,6 +498,7 @@ CONVERTERS: dict[str, Callable[[Builder, onnx.NodeProto], Any]] = {
     "Resize": _resize,
     "Upsample": _resize,
     "Concat": _concat,
+    "Split": _split,
     "Slice": _slice,
     "Reshape": _reshape,
     "Flatten": _flatten,
