@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numpy as np
 
 from ..errors import RecipeError
+from .features import first_output
 
 if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
     from torch import Tensor
@@ -94,7 +95,7 @@ def outputs_loss(
     head of probabilities."""
     if not isinstance(student_out, (tuple, list)) or len(student_out) == 1:
         return distill_loss(
-            _first(student_out), _first(teacher_out), labels, output_kind, cfg, task_loss
+            first_output(student_out), first_output(teacher_out), labels, output_kind, cfg, task_loss
         )
     losses = []
     for i, (s, t) in enumerate(zip(student_out, teacher_out, strict=True)):
@@ -106,10 +107,6 @@ def outputs_loss(
             loss = loss / t.detach().float().pow(2).mean().clamp_min(1e-12)
         losses.append(loss)
     return sum(losses[1:], losses[0]) / len(losses)
-
-
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _soft_bce(student: Tensor, teacher: Tensor, per_row: bool = False) -> Tensor:
