@@ -6,7 +6,7 @@ all by name, and the QDQ export gives every output its source name back."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -150,3 +150,19 @@ def test_fallback_qat_on_a_two_output_onnx_task_exports_both_outputs_by_name(
     # judged in the run on both outputs: the comparison row has the worst output's cosine
     row = qat.meta["comparison"]["rows"]["qat"]
     assert row["budget_ok"] is False and "cosine" in row["budget_reason"]
+
+
+def test_a_multi_output_graph_is_judged_on_all_its_outputs_when_they_hold_the_declared() -> None:
+    """The declared judge scores a converted graph with several outputs when every declared
+    output is among them (a decoder may read them all); its loss stays the configured one."""
+    from types import SimpleNamespace
+
+    from slimline.compress.qat.step import QatConfig, _judged
+
+    judge = cast(Judge, Judge.from_declarations({"z": LogitsOutput()}))
+    ctx = cast(Any, SimpleNamespace(task=SimpleNamespace(judge=judge)))
+    ft, score = _judged(QatConfig(), ctx, ["y", "z"])
+    assert isinstance(score, DeclaredScore) and score.names == ("y", "z")
+    assert ft.embedding_loss == QatConfig().finetune.embedding_loss
+    assert _judged(QatConfig(), ctx, ["y", "w"])[1] is None  # 'z' is not an output of it
+    assert _judged(QatConfig(judge_declared=False), ctx, ["y", "z"])[1] is None
