@@ -278,7 +278,8 @@ def test_an_onnx_task_qat_cannot_convert_is_rejected_and_ptq_stands(
 def test_split_gives_each_part_to_its_output(opset: int, sizes: list[int] | None) -> None:
     """Split by sizes (an attribute before opset 13, an input from 13) or into equal parts, its
     outputs read on (PP-PicoDet splits each head into scores and box distributions)."""
-    inputs, attrs = ["x"], {"axis": 1}
+    inputs: list[str] = ["x"]
+    attrs: dict[str, Any] = {"axis": 1}
     nodes = []
     if sizes is not None and opset >= 13:
         nodes.append(_const("sizes", np.array(sizes, np.int64)))
