@@ -195,6 +195,7 @@ MODELS = {
         "a fixed [1, 3, 800, 608] input, Split, HardSigmoid; boxes decoded from all eight",
     ),
 }
+PPOCR_PAGES = ("ppocr-det", "ppocrv5-det")  # the models --train-pages reaches
 # zoo models outside the converter's op set (a transformer encoder, an LSTM): the error it gives
 REJECTED = ("ppocr-rec", "ddddocr-ocr")
 
@@ -618,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 "qat_onnx.py",
                 ["--only", name, "--work", str(args.work[0])]
                 + (["--steps", str(args.steps)] if args.steps is not None else [])
-                + (["--train-pages", str(args.train_pages)] if name != "ddddocr-det" else [])
+                + (["--train-pages", str(args.train_pages)] if name in PPOCR_PAGES else [])
                 + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
             )
             (args.work[0] / name / "result.json").write_text(json.dumps(result, default=str))
