@@ -95,7 +95,12 @@ def outputs_loss(
     head of probabilities."""
     if not isinstance(student_out, (tuple, list)) or len(student_out) == 1:
         return distill_loss(
-            first_output(student_out), first_output(teacher_out), labels, output_kind, cfg, task_loss
+            first_output(student_out),
+            first_output(teacher_out),
+            labels,
+            output_kind,
+            cfg,
+            task_loss,
         )
     losses = []
     for i, (s, t) in enumerate(zip(student_out, teacher_out, strict=True)):
