@@ -118,10 +118,12 @@ def test_the_step_keeps_the_chosen_layers_float(
         finetune=FinetuneConfig(steps=2, eval_every=2, progress=False),
         float_layers=1,
         max_float_macs=1.0,
+        float_search_rows=8,
         compare_ptq=False,
     )
     out = api.run_step(ctx, cfg, ctx.baseline)
     search = out.meta["float_search"]
+    assert search["rows"] == 8 and search["seconds"] > 0.0  # the rows asked for, and its time
     assert len(search["chosen"]) == 1 and search["gains"][0]["name"] == search["chosen"][0]
     assert list(out.meta["format"]["float_modules"]) == search["chosen"]
     assert out.meta["export_check"]["int8_weights"] == 6  # of seven: the float one stays float

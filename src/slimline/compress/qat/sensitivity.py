@@ -117,10 +117,14 @@ def layer_gains(
     batches: Iterable[dict[str, np.ndarray]],
     rows: int = 32,
     score: Score = cosine_score,
+    progress: bool = False,
 ) -> list[LayerGain]:
     """The gain of each compute layer of the calibrated fake-quant ``student`` in float, by
     ``score`` against the teacher's outputs on up to ``rows`` rows of ``batches`` (largest gain
-    first). The student's fake quants, observers and mode are as they were afterwards."""
+    first; ``progress``: a bar over the layers, one model run each). The student's fake quants,
+    observers and mode are as they were afterwards."""
+    from tqdm.auto import tqdm
+
     sample = take_samples(batches, rows)
     if not sample:
         return []
@@ -142,7 +146,7 @@ def layer_gains(
         macs = _macs(student, layers, sample)
         total = sum(macs.values()) or 1.0
         out: list[LayerGain] = []
-        for name, qs in layers.items():
+        for name, qs in tqdm(layers.items(), "float-layer search", disable=not progress):
             for q in qs:
                 q.disable_fake_quant()
             c = measured()

@@ -127,6 +127,14 @@ class QatConfig(StepConfig):
     max_float_macs: float = Field(
         0.05, ge=0.0, le=1.0, description="for float_layers: the float layers' share of MACs"
     )
+    float_search_rows: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="for float_layers: calibration rows each layer is scored on; the search runs "
+        "the model once per compute layer on them, so a large input (an 800 x 608 detector: "
+        "about 100 s a layer at 32 rows on one core) may want fewer",
+    )
     float_modules: list[str] = Field(
         default_factory=list, description="compute modules (by name) kept in float, always"
     )
@@ -313,7 +321,6 @@ def _frozen(module: Any) -> Any:
 
 
 BCE_LOSSES = ("bce", "bce_rows")
-FLOAT_SEARCH_ROWS = 32  # calibration rows the float-layer search measures on
 
 
 def _started(
@@ -379,12 +386,19 @@ def _train(
     search: dict[str, Any] | None = None
     if cfg.float_layers:
         ranked_by = declared_score(score.of_outputs) if score is not None else cosine_score
+        t0 = time.perf_counter()
         gains = layer_gains(
-            student, teacher, ctx.task.calibration_data(), FLOAT_SEARCH_ROWS, ranked_by
+            student,
+            teacher,
+            ctx.task.calibration_data(),
+            cfg.float_search_rows,
+            ranked_by,
+            progress=cfg.progress,
         )
         chosen = choose_float(gains, cfg.float_layers, cfg.max_float_macs)
         search = {
-            "rows": FLOAT_SEARCH_ROWS,
+            "rows": cfg.float_search_rows,
+            "seconds": round(time.perf_counter() - t0, 1),
             "ranked_by": "declared agreement" if score is not None else "cosine",
             "chosen": chosen,
             "gains": gains_table(gains),
