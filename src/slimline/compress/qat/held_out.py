@@ -57,11 +57,10 @@ def declared_output(task: Task, output: str | None) -> str | None:
     return next(iter(judge.declared)) if len(judge.declared) == 1 else None
 
 
-def kind_loss(task: Task, output: str | None, outputs: int = 1) -> str | None:
-    """``finetune.embedding_loss`` that matches the declared kind of ``output``: ``bce`` for a
-    probability map that is the model's one output (of ``outputs``: the other outputs of a
-    model with several are not probabilities); None where the configured loss stays."""
-    if output is None or task.judge is None or outputs != 1:
+def kind_loss(task: Task, output: str | None) -> str | None:
+    """``finetune.embedding_loss`` that matches the declared kind of ``output`` (a model's one
+    output): ``bce`` for a probability map; None where the configured loss stays."""
+    if output is None or task.judge is None:
         return None
     return "bce" if isinstance(task.judge.declared[output], ProbabilityMapOutput) else None
 
@@ -105,7 +104,7 @@ class DeclaredScore:
     a box decoder reads them all)."""
 
     def __init__(self, judge: Judge, output: str, others: tuple[str, ...] = ()) -> None:
-        self.judge, self.output, self.names = judge, output, (output, *others)
+        self.judge, self.names = judge, (output, *others)
         self.first_loss: float | None = None
         self.history: list[dict[str, float]] = []
 
