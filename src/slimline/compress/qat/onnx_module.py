@@ -291,5 +291,10 @@ def module_for(cand: Candidate, ctx: StepContext) -> tuple[Any, dict[str, Any]]:
         module, run_onnx, ctx.task.calibration_data(), CHECK_ROWS, CHECK_BOUND, names
     )
     ops = sorted({n.op_type for n in model.graph.node})
-    record = {"source": path.name, "output": names[0], "ops": ops, "check": check}
-    return module, {**record, **({"outputs": names} if len(names) > 1 else {})}
+    return module, {
+        "source": path.name,
+        "output": names[0],
+        "outputs": names,
+        "ops": ops,
+        "check": check,
+    }

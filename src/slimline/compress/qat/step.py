@@ -482,9 +482,9 @@ NOISE = 1e-6  # relative perturbation of the noise floor: float32 sums of a few 
 
 
 def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: list[np.ndarray]) -> float:
-    """Mean cosine (of the worst output) of the fake-quant model's outputs on ``sample`` to its outputs when every
-    value it quantizes (the input of each activation fake quant, the model's input among them)
-    is moved by relative Gaussian noise of ``NOISE``: the difference a float implementation
+    """Mean cosine (of the worst output) of the fake-quant model's outputs on ``sample`` to its
+    outputs when every value it quantizes (the input of each activation fake quant, the model's
+    input among them) is moved by relative Gaussian noise of ``NOISE``: the difference a float implementation
     with another summation order makes at each layer, and so how far two correct
     implementations can be expected to disagree through this model. A quantized model is a step
     function: where a value sits near a rounding boundary, a change in its 6th digit moves it a
@@ -566,7 +566,7 @@ def run_qat(
     state = _state_dir(cfg, cand, ctx)
     with torch_threads(ctx.threads):
         module, converted = _input_module(cand, ctx)
-        names = converted.get("outputs", [converted["output"]]) if converted else None
+        names = converted["outputs"] if converted is not None else None
         trained = _train(cfg, module, ctx, state, names)
         path, check = _export(cfg, trained["student"], ctx)
     if names is not None:  # the task's declarations and signature name the ONNX outputs
