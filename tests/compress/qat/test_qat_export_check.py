@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.ao.quantization import FakeQuantizeBase
 
-from slimline.compress.qat.step import NOISE, _noise_floor, export_passes
+from slimline.compress.qat.export_check import NOISE, export_passes, noise_floor
 
 pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
@@ -60,7 +60,7 @@ def _floor(model: nn.Module) -> float:
     sample = _sample()
     with torch.no_grad():
         ref = [model(torch.from_numpy(sample["x"])).numpy()]
-    return _noise_floor(model, sample, ref)
+    return noise_floor(model, sample, ref)
 
 
 def test_a_model_without_activation_fake_quants_has_no_noise_floor() -> None:

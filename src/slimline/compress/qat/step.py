@@ -24,14 +24,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 from pydantic import Field, field_validator
 
 from ...candidate import Candidate
 from ...context import StepContext
 from ...cpu import detect as detect_cpu
 from ...errors import DataError, ExportError, StepError, error_text
-from ...measure.quality import fidelity
 from ...module_guard import private_copy, torch_threads
 from ...recipe import StepConfig
 from ...steps import Contract, step
@@ -41,15 +39,15 @@ from ..finetune import (
     FinetuneConfig,
     distill,
     resolve_data,
-    to_tensors,
 )
 from ..quant.config import QuantOps
 from ..quant.fallback import kernel_report
 from ..quant.float_inputs import float_inputs_file
 from . import fakequant as fq
 from .compare import PtqRows, compare_rows, ptq_rows
+from .export_check import verify_export
 from .export_where import failing_module, node_of_op
-from .held_out import DeclaredScore, declared_output, kind_loss, output_arrays
+from .held_out import DeclaredScore, declared_output, kind_loss
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
@@ -465,7 +463,7 @@ def _export(cfg: QatConfig, student: Any, ctx: StepContext) -> tuple[Path, dict[
             f"QDQ export of the fake-quant model failed at {where} (whole model: "
             f"{error_text(err)}); keep that module out of QAT or give it an ONNX-exportable form"
         ) from None
-    check = _verify(model, path, sample, cfg, ctx.threads)
+    check = verify_export(model, path, sample, cfg.min_export_cosine, ctx.threads)
     return path, {**check, "int8_weights": folded, **fusable, "float_layers": float_layers}
 
 
@@ -478,89 +476,12 @@ def _with_agreement(history: list[dict[str, float]], score: Any) -> list[dict[st
     return [{**h, "score": h["val_loss"], **a} for h, a in pairs]
 
 
-NOISE = 1e-6  # relative perturbation of the noise floor: float32 sums of a few hundred terms
-
-
-def _noise_floor(model: Any, sample: dict[str, np.ndarray], ref: list[np.ndarray]) -> float:
-    """Mean cosine (of the worst output) of the fake-quant model's outputs on ``sample`` to its
-    outputs when every value it quantizes (the input of each activation fake quant, the model's
-    input among them) is moved by relative Gaussian noise of ``NOISE``: the difference a float implementation
-    with another summation order makes at each layer, and so how far two correct
-    implementations can be expected to disagree through this model. A quantized model is a step
-    function: where a value sits near a rounding boundary, a change in its 6th digit moves it a
-    whole step, and a deep network can amplify that step. 1.0 when the model has no activation
-    fake quant."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-
-    def jitter(module: Any, args: Any) -> Any:
-        x = args[0]
-        noise = torch.randn(x.shape, generator=gen, dtype=x.dtype) * NOISE
-        return (x * (1.0 + noise), *args[1:])
-
-    acts = list(fq.activation_fake_quants(model).values())
-    if not acts:
-        return 1.0
-    handles = [m.register_forward_pre_hook(jitter) for m in acts]
-    try:
-        with torch.no_grad():
-            moved = output_arrays(model(**to_tensors(sample)))
-    finally:
-        for h in handles:
-            h.remove()
-    return cosine_score(moved, ref)
-
-
-def _verify(
-    model: Any, path: Path, sample: dict[str, np.ndarray], cfg: QatConfig, threads: int
-) -> dict[str, Any]:
-    """ONNX Runtime's outputs against the fake-quant model's (cosine per row). The export
-    passes at ``min_export_cosine``, or where ONNX Runtime disagrees with the fake-quant model
-    no more than the fake-quant model disagrees with itself under rounding-sized input noise
-    (:func:`_noise_floor`), with the same slack: a different summation order cannot do better
-    than that, and a wrong export (a missing Q/DQ pair, a wrong scale) does far worse."""
-    import torch
-
-    from ...measure.runners import ort_session
-
-    with torch.no_grad():
-        ref = output_arrays(model(**to_tensors(sample)))
-    sess = ort_session(path, threads)
-    got = sess.run(None, {k: np.ascontiguousarray(v) for k, v in sample.items()})
-    each = [fidelity(g, r, logits=False) for g, r in zip(got, ref, strict=True)]
-    agree = min(each, key=lambda f: f["cosine_mean"] or 0.0)  # the worst output's
-    out: dict[str, Any] = {
-        "rows": len(ref[0]),
-        **{k: agree[k] for k in ("cosine_mean", "cosine_min", "max_abs_err")},
-        "exporter": "torchscript (torch.onnx.export dynamo=False)",
-        "bound": cfg.min_export_cosine,
-    }
-    cosine = out["cosine_mean"] or 0.0
-    if cosine >= cfg.min_export_cosine:
-        return {**out, "passed_by": "bound"}
-    floor = _noise_floor(model, sample, ref)
-    out["noise_floor_cosine"] = floor
-    if export_passes(cosine, floor, cfg.min_export_cosine):
-        return {**out, "passed_by": "noise floor"}
-    raise StepError(
-        f"ONNX Runtime's outputs of the QDQ export differ from the fake-quant model: mean "
-        f"cosine {cosine:.5f} < {cfg.min_export_cosine}, and below what the fake-quant model "
-        f"gives itself under input noise of {NOISE:g} of its spread ({floor:.5f})"
-    )
-
-
-def export_passes(cosine: float, noise_floor: float, bound: float) -> bool:
-    """The export check's rule: at ``bound``, or within the same slack (``1 - bound``) of the
-    model's own agreement under rounding-sized input noise."""
-    return cosine >= bound or cosine >= noise_floor - (1.0 - bound)
-
-
 def run_qat(
     cfg: QatConfig, cand: Candidate, ctx: StepContext, ptq: PtqRows | None = None
 ) -> Candidate:
-    """QAT on ``cand``'s torch model (an ONNX task's: its float graph converted); ``ptq``: post-training rows to compare against (the
-    quantize step's, when it falls back to QAT), else built here when ``compare_ptq``."""
+    """QAT on ``cand``'s torch model (an ONNX task's: its float graph converted); ``ptq``:
+    post-training rows to compare against (the quantize step's, when it falls back to QAT), else
+    built here when ``compare_ptq``."""
     t0 = time.perf_counter()
     _check_data(ctx)
     state = _state_dir(cfg, cand, ctx)
