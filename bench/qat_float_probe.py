@@ -12,7 +12,6 @@ the ranges start as the step's ``calibration`` says (``auto``: the start it meas
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import qat_onnx as q
     from slimline import api, load_task
-    from slimline.compress.finetune import resolve_data
+    from slimline.compress.finetune import held_out_batches, resolve_data
     from slimline.compress.qat import fakequant as fq
     from slimline.compress.qat import step as s
     from slimline.compress.qat.onnx_module import module_for
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     teacher = s._frozen(module)
     _, score = s._judged(cfg, ctx, converted["outputs"])
     data, _, _ = resolve_data(ctx.task, cfg.finetune)
-    val = list(itertools.islice(data(), cfg.finetune.val_batches))
+    val = held_out_batches(data, cfg.finetune)[0]
     start = {"teacher": teacher, "val": val, "score": score}
     fmt = fq.format_for(detect(), cfg.quantize_ops, ())
     student, _ = s._started(cfg, module, fmt, ctx, start)

@@ -3,8 +3,9 @@
 The student learns the teacher's outputs: KL divergence on temperature-softened logits (plus the
 task loss where labels exist) for classifiers, cosine or MSE on the output vectors otherwise (for
 example sentence embeddings learned from unlabelled text). The first ``val_batches`` batches of the
-data are held out; every ``eval_every`` steps the distillation loss on them decides early stopping,
-and the best weights seen are the ones kept.
+data are held out (more where they have fewer than ``min_val_rows`` rows: :func:`held_out_batches`);
+every ``eval_every`` steps the distillation loss on them decides early stopping, and the best
+weights seen are the ones kept.
 """
 
 from __future__ import annotations
@@ -12,20 +13,20 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
-from ..errors import DataError
 from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
 from .augment import AUGMENTS, augment_rows, augmentable
 from .distill_loss import EMBEDDING_LOSSES, distill_loss, outputs_loss
 from .features import FeatureTap, feature_loss, first_output
+from .finetune_data import Batches, batch_stream, held_out_batches, resolve_data, trim_padding
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
 
 if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does not load it
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: importing slimline does no
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "Batches",
     "DistillHooks",
     "EarlyStopping",
     "FeatureTap",
@@ -47,12 +49,12 @@ __all__ = [
     "distill",
     "distill_loss",
     "feature_loss",
+    "held_out_batches",
     "resolve_data",
     "to_tensors",
     "trim_padding",
 ]
 
-Batches = Callable[[], Iterable[tuple[dict[str, np.ndarray], Any]]]
 DEFAULT_BASE_LR = 1e-3  # Adam-style learning rate assumed when the task names none
 
 
@@ -86,6 +88,13 @@ class FinetuneConfig(Config):
     patience: int = Field(2, ge=1, description="evaluations without gain before stopping")
     min_delta: float = Field(1e-4, ge=0.0, description="relative gain that counts as a gain")
     val_batches: int = Field(4, ge=1, description="leading batches held out for early stopping")
+    min_val_rows: int = Field(
+        16,
+        ge=0,
+        description="hold out more leading batches where val_batches of them have fewer rows, "
+        "when the data has over twice as many batches: on large inputs in small batches, 8 "
+        "held-out rows chose QAT's weights by noise (bench/RESULTS-qat-onnx.md)",
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     dynamic_padding: bool = Field(
@@ -182,31 +191,6 @@ class FinetuneResult:
         return asdict(self)
 
 
-def resolve_data(task: Task, cfg: FinetuneConfig) -> tuple[Batches, str, str | None]:
-    """(batches, source, note): which data fine-tuning uses, and a note when it fell back."""
-    if cfg.data == "train" and task.train_data is None:
-        raise DataError(
-            f"task {task.name} has no train_data(), but fine-tuning asks for `data: train`; "
-            "define train_data() in the task, or set `data: calibration` to distil on "
-            "calibration inputs"
-        )
-    if cfg.data != "calibration" and task.train_data is not None:
-        return task.train_data, "train", None
-    calib = task.calibration_data
-
-    def unlabelled() -> Iterator[tuple[dict[str, np.ndarray], Any]]:
-        for inputs in calib():
-            yield inputs, None
-
-    note = None
-    if cfg.data == "auto":
-        note = (
-            f"task {task.name} has no train_data(); fine-tuning distils from the FP32 teacher "
-            "on calibration inputs instead"
-        )
-    return unlabelled, "calibration", note
-
-
 def resolve_lr(task: Task | None, cfg: FinetuneConfig) -> float:
     if cfg.lr is not None:
         return cfg.lr
@@ -218,54 +202,6 @@ def to_tensors(inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
     import torch
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
-
-
-def trim_padding(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Drop trailing sequence positions that are padding in every row (``attention_mask`` 0).
-
-    Applies to padded text batches only: an ``attention_mask`` of shape ``[N, L]``; every input of
-    that shape is cut to the longest row. For an encoder that honours its mask (BERT-class models)
-    the outputs at the kept positions do not change; training is faster by the padding share.
-    """
-    mask = inputs.get("attention_mask")
-    if mask is None or mask.ndim != 2 or not mask.any():
-        return inputs
-    length = int(np.flatnonzero(mask.any(axis=0)).max()) + 1
-    if length == mask.shape[1]:
-        return inputs
-    return {k: (v[:, :length] if v.shape[:2] == mask.shape else v) for k, v in inputs.items()}
-
-
-def _batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.ndarray], Any]]:
-    """Cycle through ``batches()`` forever, skipping the first ``skip`` (held out)."""
-    while True:
-        seen = 0
-        for i, item in enumerate(batches()):
-            if i < skip:
-                continue
-            seen += 1
-            yield item
-        if seen == 0:
-            return
-
-
-def _split(batches: Batches, val_batches: int) -> tuple[list[Any], int]:
-    """Held-out batches and how many leading batches to skip when training."""
-    val: list[Any] = []
-    total = 0
-    for item in batches():
-        total += 1
-        if len(val) < val_batches:
-            val.append(item)
-        if total > val_batches:
-            break
-    if not val:
-        raise DataError(
-            "fine-tuning data yielded no batches; train_data()/calibration_data() is empty"
-        )
-    if total <= val_batches:  # too little data to hold any out: validate on what we train on
-        return val[: max(1, total // 2)], 0
-    return val, val_batches
 
 
 def _outputs(out: Any, every: bool) -> Any:
@@ -325,7 +261,7 @@ def distill(
     hooks = hooks or DistillHooks()
     teacher = eval_module(teacher)
     hooks.prepare_student(student)
-    val, skip = _split(batches, cfg.val_batches)
+    val, skip = held_out_batches(batches, cfg)
 
     def held_out() -> float:
         loss = _val_loss(student, teacher, val, output_kind, cfg, all_outputs)
@@ -346,7 +282,7 @@ def distill(
         student.train()
         bar = tqdm(total=cfg.steps, initial=start, desc=desc, disable=not cfg.progress, leave=False)
         # a resumed run continues where the data stream was, not at its start
-        stream = itertools.islice(_batch_stream(batches, skip), start, None)
+        stream = itertools.islice(batch_stream(batches, skip), start, None)
         for step_i, (inputs, labels) in enumerate(stream, start=start + 1):
             if step_i > cfg.steps:
                 break

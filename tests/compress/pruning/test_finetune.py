@@ -17,6 +17,7 @@ from slimline.compress.finetune import (
     accumulate_gradients,
     distill,
     distill_loss,
+    held_out_batches,
     resolve_data,
 )
 from slimline.errors import DataError
@@ -67,6 +68,40 @@ def _agreement(a: nn.Module, b: nn.Module, data: Any) -> float:
 
 
 CFG = FinetuneConfig(steps=150, lr=1e-2, eval_every=25, patience=3, val_batches=2, progress=False)
+
+
+def _rows_batches(n: int, rows: int) -> Any:
+    def gen() -> Iterator[tuple[dict[str, np.ndarray], Any]]:
+        for i in range(n):
+            yield {"x": np.full((rows, 2), i, np.float32)}, None
+
+    return gen
+
+
+@pytest.mark.parametrize(
+    ("n", "rows", "val_batches", "min_rows", "held", "skip"),
+    [
+        (48, 2, 4, 16, 8, 8),  # small batches of large inputs: 8 batches hold 16 rows
+        (12, 32, 2, 16, 2, 2),  # the batches already hold 16 rows: unchanged
+        (16, 2, 4, 16, 4, 4),  # not over twice 8 batches: val_batches, as before
+        (17, 2, 4, 16, 8, 8),  # 9 batches left to train on
+        (48, 2, 4, 0, 4, 4),  # min_val_rows 0: val_batches
+        (48, 3, 4, 16, 6, 6),  # ceil(16 / 3)
+        (4, 2, 4, 16, 2, 0),  # too little to hold any out: half, trained on too
+    ],
+)
+def test_the_held_out_batches_reach_min_val_rows_where_the_data_allows(
+    n: int, rows: int, val_batches: int, min_rows: int, held: int, skip: int
+) -> None:
+    cfg = FinetuneConfig(val_batches=val_batches, min_val_rows=min_rows, progress=False)
+    val, skipped = held_out_batches(_rows_batches(n, rows), cfg)
+    assert [int(x["x"][0, 0]) for x, _ in val] == list(range(held))  # the leading ones
+    assert skipped == skip
+
+
+def test_no_batches_to_hold_out_is_a_data_error() -> None:
+    with pytest.raises(DataError, match="yielded no batches"):
+        held_out_batches(_rows_batches(0, 2), FinetuneConfig(progress=False))
 
 
 def test_logit_distillation_recovers_the_teacher() -> None:

@@ -16,7 +16,6 @@ against full-INT8 post-training quantization of the same format, measured interl
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import shutil
 import time
@@ -38,6 +37,7 @@ from ..finetune import (
     FileCheckpoint,
     FinetuneConfig,
     distill,
+    held_out_batches,
     resolve_data,
 )
 from ..quant.config import QuantOps
@@ -401,7 +401,7 @@ def _float_search(
     gains = layer_gains(student, teacher, calib(), fits["rows"], ranked_by, cfg.progress)
     return {
         **fits,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(time.perf_counter() - t0, 3),
         "ranked_by": "declared agreement" if score is not None else "cosine",
         "chosen": choose_float(gains, cfg.float_layers, cfg.max_float_macs),
         "gains": gains_table(gains),
@@ -418,7 +418,7 @@ def _train(
         ctx.warn(note)
     teacher = _frozen(module)
     ft_cfg, score = _judged(cfg, ctx, outputs)
-    val = list(itertools.islice(data(), cfg.finetune.val_batches))  # distill's held-out ones
+    val = held_out_batches(data, cfg.finetune)[0]  # distill's held-out batches
     start: dict[str, Any] = {"teacher": teacher, "val": val, "score": score}
     student, rows = _started(cfg, module, fmt, ctx, start)
     search: dict[str, Any] | None = None
