@@ -6,7 +6,7 @@ rest cycled (:func:`batch_stream`), and padded text batches cut to their longest
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -14,14 +14,34 @@ from ..errors import DataError
 
 if TYPE_CHECKING:
     from ..task import Task
-    from .finetune import FinetuneConfig
 
-__all__ = ["Batches", "batch_stream", "held_out_batches", "resolve_data", "trim_padding"]
+__all__ = [
+    "Batches",
+    "DataSettings",
+    "batch_stream",
+    "held_out_batches",
+    "resolve_data",
+    "trim_padding",
+]
+
+
+class DataSettings(Protocol):
+    """What of :class:`.finetune.FinetuneConfig` this module reads."""
+
+    @property
+    def data(self) -> str: ...
+
+    @property
+    def val_batches(self) -> int: ...
+
+    @property
+    def min_val_rows(self) -> int: ...
+
 
 Batches = Callable[[], Iterable[tuple[dict[str, np.ndarray], Any]]]
 
 
-def resolve_data(task: Task, cfg: FinetuneConfig) -> tuple[Batches, str, str | None]:
+def resolve_data(task: Task, cfg: DataSettings) -> tuple[Batches, str, str | None]:
     """(batches, source, note): which data fine-tuning uses, and a note when it fell back."""
     if cfg.data == "train" and task.train_data is None:
         raise DataError(
@@ -82,7 +102,7 @@ def _item_rows(item: Any) -> int | None:
     return len(first) if first is not None and np.ndim(first) and len(first) else None
 
 
-def held_out_batches(batches: Batches, cfg: FinetuneConfig) -> tuple[list[Any], int]:
+def held_out_batches(batches: Batches, cfg: DataSettings) -> tuple[list[Any], int]:
     """The held-out batches and how many leading batches training skips: the first
     ``val_batches``, or more where they hold fewer than ``min_val_rows`` rows and the data has
     more batches than twice that many (the rest train); with too little data to hold any out,
