@@ -549,7 +549,7 @@ def run_qat(
     # the weights of the best declared agreement kept); 7: float layers ranked by the declared
     # agreement where the task declares one, calibration: auto (the start measured); 8: an ONNX
     # graph's separate per-channel bias Add folded into its convolution (onnx_fold.py); 9: the
-    # float-layer search's rows capped by float_search_seconds, the noise floor over 3 draws
+    # float-layer search's rows capped by float_search_seconds
     version=9,
     reads=("target", "budget", "outputs", "metric", "bench", "steps.quantize"),
     packages=("torch", "onnx", "onnxruntime", "numpy"),
