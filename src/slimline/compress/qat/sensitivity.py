@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...measure.quality import fidelity
+from ...signature import n_rows
 from ...tensors import take_samples
 from ..finetune import to_tensors
 from .held_out import output_arrays
@@ -189,7 +190,7 @@ def search_rows(
     if seconds is None or rows <= MIN_SEARCH_ROWS:
         return {"rows": rows, "runs": runs}
     probe = take_samples(batches, 2)
-    n = len(next(iter(probe.values()))) if probe else 0
+    n = n_rows(probe) if probe else 0
     if not n:
         return {"rows": rows, "runs": runs}
     was_training = student.training
