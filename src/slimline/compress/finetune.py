@@ -24,7 +24,7 @@ from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
 from .augment import AUGMENTS, augment_rows, augmentable
-from .distill_loss import EMBEDDING_LOSSES, distill_loss, outputs_loss
+from .distill_loss import EMBEDDING_LOSSES, distill_loss, losses_by_position, outputs_loss
 from .features import FeatureTap, feature_loss, first_output
 from .finetune_data import Batches, batch_stream, held_out_batches, resolve_data, trim_padding
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
@@ -78,6 +78,13 @@ class FinetuneConfig(Config):
         "inverse of its text area in the teacher's map, as a mean of per-row IoUs weighs rows "
         "(compress/distill_loss.py)",
     )
+    output_losses: dict[str, str] = Field(
+        default_factory=dict,
+        description="a model with several outputs (QAT of an ONNX detector): output name -> its "
+        "own loss, one of cosine, mse, bce, bce_rows, kl (softmax over the last axis) or kl:N "
+        "(groups of N bins, each a softmax: box-side distributions); the others keep "
+        "embedding_loss (compress/distill_loss.py)",
+    )
     features: str | None = Field(
         None,
         description="regex (full match) of module names whose outputs the student also learns "
@@ -117,13 +124,15 @@ class FinetuneConfig(Config):
     progress: bool = True
 
     def key_dict(self) -> dict[str, Any]:
-        """Without ``dropout`` while it is on, and ``augment`` while it is empty: a step's cache
-        key stays what it was before the option existed (its result did not change)."""
+        """Without ``dropout`` while it is on, ``augment`` and ``output_losses`` while they are
+        empty: a step's cache key stays what it was before the option existed (its result did
+        not change)."""
         data = super().key_dict()
         if data.get("dropout") is True:
             data.pop("dropout")
-        if not data.get("augment"):
-            data.pop("augment", None)
+        for empty in ("augment", "output_losses"):
+            if not data.get(empty):
+                data.pop(empty, None)
         return data
 
 
@@ -216,6 +225,7 @@ def _val_loss(
     output_kind: str,
     cfg: FinetuneConfig,
     all_outputs: bool = False,
+    losses: Sequence[str | None] = (),
 ) -> float:
     import torch
 
@@ -226,7 +236,7 @@ def _val_loss(
         for inputs, _ in val:
             x = to_tensors(trim_padding(inputs) if cfg.dynamic_padding else inputs)
             s_out, t_out = _outputs(student(**x), all_outputs), _outputs(teacher(**x), all_outputs)
-            total += float(outputs_loss(s_out, t_out, None, output_kind, cfg))
+            total += float(outputs_loss(s_out, t_out, None, output_kind, cfg, None, losses))
     student.train(was_training)
     return total / len(val)
 
@@ -244,6 +254,7 @@ def distill(
     checkpoint: TrainCheckpoint | None = None,
     hooks: DistillHooks | None = None,
     all_outputs: bool = False,
+    output_names: Sequence[str] | None = None,
 ) -> FinetuneResult:
     """Fine-tune ``student`` (the caller's own module: its weights, BatchNorm statistics and
     training flag change) in place to match ``teacher`` (run in eval mode, as an eval-mode copy
@@ -253,25 +264,26 @@ def distill(
     at every held-out evaluation, and a run that finds one continues from it. ``hooks``
     (:class:`DistillHooks`) let a technique change the student, its parameter groups and each
     step. ``all_outputs``: a model that returns several outputs is distilled on all of them
-    (:func:`.distill_loss.outputs_loss`), not only its first. Parts: :class:`TrainingStep`,
-    :class:`EarlyStopping`, :func:`_training_state`."""
+    (:func:`.distill_loss.outputs_loss`), not only its first, ``output_names`` (in order) the
+    names ``cfg.output_losses`` reads. Parts: :class:`TrainingStep`, :class:`EarlyStopping`."""
     from tqdm.auto import tqdm
 
     lr = resolve_lr(task, cfg)
     hooks = hooks or DistillHooks()
+    losses = losses_by_position(cfg.output_losses, output_names if all_outputs else None)
     teacher = eval_module(teacher)
     hooks.prepare_student(student)
     val, skip = held_out_batches(batches, cfg)
 
     def held_out() -> float:
-        loss = _val_loss(student, teacher, val, output_kind, cfg, all_outputs)
+        loss = _val_loss(student, teacher, val, output_kind, cfg, all_outputs, losses)
         return hooks.held_out_loss(student, teacher, val, loss)
 
     before = held_out()
     result = FinetuneResult(0, lr, before, before, 0, False, [{"step": 0, "val_loss": before}])
     if cfg.steps == 0:
         return result
-    train = TrainingStep(student, teacher, cfg, lr, output_kind, task, hooks, all_outputs)
+    train = TrainingStep(student, teacher, cfg, lr, output_kind, task, hooks, all_outputs, losses)
     stop = EarlyStopping(student, before, cfg.min_delta, cfg.patience)
     running, start = 0.0, 0
     saved = checkpoint.load() if checkpoint is not None else None
@@ -359,11 +371,12 @@ class TrainingStep:
         task: Task | None,
         hooks: DistillHooks,
         all_outputs: bool = False,
+        losses: Sequence[str | None] = (),
     ) -> None:
         import torch
 
         self.student, self.teacher, self.cfg, self.hooks = student, teacher, cfg, hooks
-        self.all_outputs = all_outputs
+        self.all_outputs, self.losses = all_outputs, losses  # losses: each output's own
         self.output_kind, self.task_loss = output_kind, task.loss if task is not None else None
         groups = hooks.param_groups(student, [p for p in student.parameters() if p.requires_grad])
         self.params = [p for g in groups for p in g["params"]]
@@ -392,7 +405,9 @@ class TrainingStep:
             t_out = _outputs(self.teacher(**x), self.all_outputs)
         self.hooks.before_forward(step, self.student)
         s_out = _outputs(self.student(**x), self.all_outputs)
-        loss = outputs_loss(s_out, t_out, labels, self.output_kind, cfg, self.task_loss)
+        loss = outputs_loss(
+            s_out, t_out, labels, self.output_kind, cfg, self.task_loss, self.losses
+        )
         if self.taps is not None:
             s_tap, t_tap = self.taps
             loss = loss + cfg.feature_weight * feature_loss(

@@ -445,6 +445,7 @@ def _train(
         checkpoint=FileCheckpoint(state / "train.pt", "qat"),
         hooks=hooks,
         all_outputs=True,
+        output_names=outputs,
     )
     fq.freeze_observers(student)
     fq.freeze_bn(student)
@@ -461,6 +462,7 @@ def _train(
             "data": source,
             "finetune": {k: v for k, v in ft.to_dict().items() if k != "history"},
             "loss": ft_cfg.embedding_loss,
+            **({"output_losses": ft_cfg.output_losses} if ft_cfg.output_losses else {}),
             "kept_by": "declared agreement" if score is not None else "distillation loss",
             "history": _with_agreement(ft.history, score),
             "freezing": hooks.record(ft.steps),
