@@ -250,3 +250,35 @@ def test_a_pair_that_cannot_be_the_pick_leaves_the_final_benchmark() -> None:
     assert retire({k: v[:2] for k, v in p50s.items() if k not in stopped}) == []
     close = out_of_the_race({"a", "b"}, 5, {})
     assert close({"a": [3.6, 3.8, 3.5], "b": [3.7, 3.5, 3.6]}) == []
+
+
+class _Sleeper:
+    """A runner whose every run takes at least ``seconds``."""
+
+    name = "sleeper"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        import time
+
+        time.sleep(self.seconds)
+        return np.zeros(1)
+
+    def run_all(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": self.run(inputs)}
+
+
+def test_a_decision_round_of_a_slow_model_runs_about_a_second_and_never_under_the_floor() -> None:
+    """A model whose run takes 0.2 s gets the floor of runs per round in a decision benchmark
+    (a round of 1 s would be 5 runs); a model that fits the configured runs in a second keeps
+    them. The slowest runner sets the count for all."""
+    from slimline.measure.latency import DECISION_MIN_RUNS, DECISION_ROUND_S, decision_runs
+
+    x = {"x": np.zeros((1, 1), np.float32)}
+    fast, slow = _Sleeper(0.0), _Sleeper(0.2)
+    assert 0.2 * DECISION_MIN_RUNS > DECISION_ROUND_S  # the floor binds for the slow one
+    assert decision_runs([("a", fast), ("b", slow)], x, 40) == DECISION_MIN_RUNS
+    assert decision_runs([("a", fast)], x, 20) == 20
+    assert decision_runs([("b", slow)], x, 10) == 10  # never more than configured

@@ -124,3 +124,16 @@ def test_kernel_events_skip_warmup_and_aggregate_numbers() -> None:
     by_node = {r["node"]: r for r in agg["by_node"]}
     assert by_node["a"]["total_ms"] == pytest.approx(0.050) and by_node["a"]["count"] == 2
     assert agg["total_ms_per_run"] == pytest.approx(0.035)
+
+
+def test_a_slow_model_records_about_three_seconds_of_runs_never_under_the_floor() -> None:
+    import time
+
+    from slimline.measure.opprofile import PROFILE_MIN_RUNS, PROFILE_SECONDS, profile_runs
+
+    calls: list[int] = []
+    assert profile_runs(lambda: calls.append(1), 2, 7) == 7  # fast: the runs asked for
+    assert len(calls) == 2  # the warm-up ran
+    slow = PROFILE_SECONDS / PROFILE_MIN_RUNS * 2  # a run that fills the time in half the floor
+    assert profile_runs(lambda: time.sleep(slow), 1, 50) == PROFILE_MIN_RUNS
+    assert profile_runs(lambda: time.sleep(slow), 0, 50) == 50  # no warm-up: nothing timed

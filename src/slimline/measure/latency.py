@@ -49,6 +49,12 @@ __all__ = [
 SIGN_TEST_ALPHA = 0.05
 
 _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+# a decision benchmark (candidate vs parent, a search's candidates vs FP32; never the final
+# figures) runs about this long per candidate per round, at least DECISION_MIN_RUNS runs: a
+# round's p50 decides, not its tail, and on an AVX2-only CPU a 100 ms detector's 40 runs per
+# round made a third of its wall time (bench/RESULTS-zoo-avx2.md)
+DECISION_ROUND_S = 1.0
+DECISION_MIN_RUNS = 15
 
 # After each round: the per-round p50s so far, by name; True stops the benchmark there.
 Until = Callable[[dict[str, list[float]]], bool]
@@ -295,6 +301,7 @@ def benchmark(
     pairs: Collection[str] | None = None,
     until: Until | None = None,
     retire: Retire | None = None,
+    decision: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Latency at batch 1 (and throughput per batch size the model allows) of each candidate,
     interleaved.
@@ -305,7 +312,8 @@ def benchmark(
     message}`` and the other pairs are measured. ``pairs`` (pair names) limits a benchmark on
     several runtimes to those pairs. ``until`` may stop it after a whole round (every result then
     has the rounds run so far); ``retire`` may leave some out of the later rounds (each result's
-    ``latency_ms.rounds`` says how many it ran)."""
+    ``latency_ms.rounds`` says how many it ran). ``decision``: a benchmark that decides
+    (:func:`decision_runs` per round), not one whose figures are reported."""
     torch_runs = any(c.onnx is None for c in cands)
     # pinned once for the whole benchmark, so that a torch runner changes nothing per call
     with torch_threads(threads) if torch_runs else nullcontext():
@@ -320,6 +328,7 @@ def benchmark(
             runtimes,
             pairs,
             (until, retire),
+            decision,
         )
 
 
@@ -334,6 +343,7 @@ def _benchmark(
     runtimes: Sequence[str] = ("onnxruntime",),
     pairs: Collection[str] | None = None,
     stops: tuple[Until | None, Retire | None] = (None, None),
+    decision: bool = False,
 ) -> dict[str, dict[str, Any]]:
     until, retire = stops
     keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
@@ -342,6 +352,7 @@ def _benchmark(
     if not keyed:
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
+    runs = decision_runs(keyed, one, bench.runs_per_round) if decision else bench.runs_per_round
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
     batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
     not_applicable = fixed_batch_note(signature, bench.batch_sizes) if throughput else {}
@@ -357,7 +368,7 @@ def _benchmark(
                 i = (j + rnd) % len(runners)
                 if i not in active:
                     continue
-                wall, used = _time_runs(runners[i], one, bench.runs_per_round)
+                wall, used = _time_runs(runners[i], one, runs)
                 lat[i].append(wall)
                 cpu[i].append(used)
                 sizes_now = batches.items() if rnd in tput_rounds else ()
@@ -410,6 +421,15 @@ def _warmed_up(
             continue
         kept.append((key, r))
     return kept
+
+
+def decision_runs(keyed: list[tuple[str, Runner]], one: Inputs, runs_per_round: int) -> int:
+    """Runs per round of a decision benchmark: ``runs_per_round``, or fewer where the slowest
+    runner's run (the faster of two timed after warm-up) makes a round of it longer than
+    :data:`DECISION_ROUND_S`, but not under :data:`DECISION_MIN_RUNS`."""
+    slowest = max(float(np.min(_time_runs(r, one, 2)[0])) for _, r in keyed) / 1e3
+    fits = int(DECISION_ROUND_S / slowest) if slowest > 0 else runs_per_round
+    return min(runs_per_round, max(DECISION_MIN_RUNS, fits))
 
 
 def throughput_round_indices(rounds: int, wanted: int) -> frozenset[int]:

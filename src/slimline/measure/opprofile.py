@@ -2,7 +2,8 @@
 
 The session runs with profiling on (``SessionOptions.enable_profiling``) and the same thread
 settings as every other measurement (intra-op = threads, inter-op = 1, sequential). After
-``warmup`` runs (traced but not counted), ``runs`` runs are recorded; the JSON trace that
+``warmup`` runs (traced but not counted), ``runs`` runs are recorded (fewer for a slow model:
+about :data:`PROFILE_SECONDS` of them, at least :data:`PROFILE_MIN_RUNS`); the JSON trace that
 ``end_profiling()`` writes is parsed and deleted. Kernel time is the ``dur`` of each ``Node``
 event named ``<node>_kernel_time``; only events after the warm-up runs' ``model_run`` events count.
 Shares are of the summed kernel time, so they sum to 1; the time outside kernels (the session's
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,8 @@ def profile_ops(
         takes = {i.name for i in sess.get_inputs()}
         inputs = drop_frozen(inputs, takes, session_frozen(sess), Path(onnx_path).name)
         feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
-        for _ in range(warmup + runs):
+        runs = profile_runs(lambda: sess.run(None, feed), warmup, runs)
+        for _ in range(runs):
             sess.run(None, feed)
         trace = Path(sess.end_profiling())
         try:
@@ -69,6 +73,24 @@ def profile_ops(
 
 
 _LEVELS = {"disable": 0, "basic": 1, "extended": 2, "all": 99}
+# a profile records about this long of runs, at least PROFILE_MIN_RUNS: where each op's time
+# goes is a share, stable over a few runs of a slow model (an 800 x 608 detector's 50 runs on
+# two runtimes took 22 s of its run on an AVX2-only CPU)
+PROFILE_SECONDS = 3.0
+PROFILE_MIN_RUNS = 10
+
+
+def profile_runs(run: Callable[[], Any], warmup: int, runs: int) -> int:
+    """Run ``run`` ``warmup`` times (the last one timed); the runs to record: ``runs``, or as
+    many as fill :data:`PROFILE_SECONDS` at that speed, not under :data:`PROFILE_MIN_RUNS`."""
+    took = 0.0
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        run()
+        took = time.perf_counter() - t0
+    if took <= 0.0:
+        return runs
+    return min(runs, max(PROFILE_MIN_RUNS, int(PROFILE_SECONDS / took)))
 
 
 def _session(path: Path, threads: int, prefix: Path, level: str) -> Any:

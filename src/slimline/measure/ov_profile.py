@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..tensors import Inputs, drop_frozen, frozen_inputs
-from .opprofile import aggregate
+from .opprofile import aggregate, profile_runs
 from .ov import ov_compile, ov_version
 
 __all__ = ["ov_profile_ops"]
@@ -26,8 +26,7 @@ def ov_profile_ops(
     takes = {n for p in compiled.inputs for n in p.get_names()}
     inputs = drop_frozen(inputs, takes, frozen_inputs(path), Path(path).name)
     feed = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
-    for _ in range(warmup):
-        request.infer(feed)
+    runs = profile_runs(lambda: request.infer(feed), warmup, runs)
     kernels: list[dict[str, Any]] = []
     exec_types: dict[str, int] = {}
     for _ in range(runs):

@@ -132,6 +132,23 @@ def test_no_candidate_within_budget_is_recorded_with_every_candidates_reason(
     assert any(w.startswith("quantize: no candidate") for w in ctx.warnings)
 
 
+def test_the_layer_table_is_not_measured_for_a_choice_slower_than_fp32(
+    cnn_onnx: Path, tmp_path: Path
+) -> None:
+    """Every candidate within budget but timed slower than FP32 (FP32's timing scaled 10x
+    down, as on a CPU where INT8 runs slower): no INT8 model of the search can be kept, so the
+    diagnostic layer table is skipped, and the record says why."""
+    task = cnn_task(cnn_onnx)
+    ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"max_metric_drop": 0.05, "min_cosine": 0.9})
+    _fp32_timed_slow(ctx, factor=0.1)
+    cfg = QuantizeConfig(samples=64, keep_first_last_float=True, mixed_precision=False)
+    out = quantize_step(cfg, _input(cnn_onnx), ctx)
+    assert "no_candidate_met_budget" in out.meta
+    assert any(c["budget_ok"] for c in out.meta["search"]["candidates"])
+    assert out.meta["layerwise"] == []
+    assert "is not measurably faster than FP32" in out.meta["layerwise_statement"]
+
+
 def test_report_sections_render_the_step_record(
     auto_run: tuple[Candidate, StepContext, Path], tmp_path: Path
 ) -> None:

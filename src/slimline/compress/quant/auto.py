@@ -257,12 +257,20 @@ def describe(s: Search, trial: Trial, rows: list[dict[str, Any]]) -> TrialDescri
 
 def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
     """The chosen trial's layer-wise table: mixed precision's where it ranked this same file;
-    not measured for a trial over budget in automatic mode (its step is rejected), with the
-    reason as the record's ``layerwise_statement``."""
-    if trial.path in s.layer_rows or trial.budget_ok or s.cfg.mode != "auto":
+    not measured in automatic mode for a trial over budget or not measurably faster than FP32
+    (no INT8 model of this search can be kept, and mixed precision, which ranks by it, is
+    over), with the reason as the record's ``layerwise_statement``. On an AVX2-only CPU, where
+    INT8 often runs slower than FP32, the table took 30 s of a CTC recognizer's 143 s step."""
+    if trial.path in s.layer_rows or s.cfg.mode != "auto":
+        return s.layer_errors(trial)
+    if not trial.budget_ok:
+        why = f"is over budget ({trial.budget_reason})"
+    elif trial.latency is not None and trial.fp32 is not None and not s.faster(trial):
+        why = f"is not measurably faster than FP32 ({s.ratio(trial):.2f}x its latency)"
+    else:
         return s.layer_errors(trial)
     s.layerwise_skipped = (
-        f"layer-wise error not measured: {trial.label} is over budget ({trial.budget_reason}); "
-        "the table is measured for a chosen candidate within budget"
+        f"layer-wise error not measured: {trial.label} {why}; the table is measured for a "
+        "chosen candidate within budget and faster than FP32"
     )
     return []
