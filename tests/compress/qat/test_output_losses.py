@@ -129,7 +129,6 @@ def test_an_empty_output_losses_leaves_the_cache_key_as_it_was() -> None:
     assert FinetuneConfig(output_losses={"y": "kl"}).key_dict()["output_losses"] == {"y": "kl"}
 
 
-@pytest.mark.cpu_kinds
 def test_qat_of_a_two_output_onnx_task_records_each_outputs_loss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
