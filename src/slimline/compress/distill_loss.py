@@ -36,6 +36,7 @@ __all__ = [
     "MIN_AREA",
     "OUTPUT_LOSS",
     "LossSettings",
+    "check_losses",
     "distill_loss",
     "losses_by_position",
     "outputs_loss",
@@ -73,7 +74,7 @@ def distill_loss(
 
     s, t = student_out.float(), teacher_out.float().detach()
     if loss is not None:
-        kd = _embedding_loss(s, t, loss)
+        kd = _named_loss(s, t, loss)
     elif output_kind == "logits":
         temp = cfg.temperature
         s2, t2 = s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1])
@@ -84,7 +85,7 @@ def distill_loss(
             reduction="batchmean",
         ) * (temp * temp)
     else:
-        kd = _embedding_loss(s, t, cfg.embedding_loss)
+        kd = _named_loss(s, t, cfg.embedding_loss)
     if labels is None:
         return kd
     lab = torch.as_tensor(np.asarray(labels))
@@ -96,7 +97,7 @@ def distill_loss(
     return kd
 
 
-def _embedding_loss(s: Tensor, t: Tensor, loss: str) -> Tensor:
+def _named_loss(s: Tensor, t: Tensor, loss: str) -> Tensor:
     """One output's loss by name (an embedding loss, ``kl`` or ``kl:N``)."""
     import torch.nn.functional as F
 
@@ -146,13 +147,18 @@ def losses_by_position(
             f"finetune.output_losses names {unknown}, not outputs of this model; its outputs "
             f"are {list(names)}"
         )
+    check_losses(output_losses)
+    return tuple(output_losses.get(n) for n in names)
+
+
+def check_losses(output_losses: Mapping[str, str]) -> None:
+    """A RecipeError naming every loss of ``output_losses`` that is not one."""
     bad = {k: v for k, v in output_losses.items() if not OUTPUT_LOSS.fullmatch(v)}
     if bad:
         raise RecipeError(
             f"finetune.output_losses {bad}: a loss is one of cosine, mse, bce, bce_rows, kl "
             "or kl:N (N bins a softmax)"
         )
-    return tuple(output_losses.get(n) for n in names)
 
 
 def outputs_loss(

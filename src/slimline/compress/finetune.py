@@ -18,13 +18,20 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from ..errors import RecipeError
 from ..module_guard import eval_module
 from ..recipe import Config
 from ..task import Task
 from .augment import AUGMENTS, augment_rows, augmentable
-from .distill_loss import EMBEDDING_LOSSES, distill_loss, losses_by_position, outputs_loss
+from .distill_loss import (
+    EMBEDDING_LOSSES,
+    check_losses,
+    distill_loss,
+    losses_by_position,
+    outputs_loss,
+)
 from .features import FeatureTap, feature_loss, first_output
 from .finetune_data import Batches, batch_stream, held_out_batches, resolve_data, trim_padding
 from .train_state import EarlyStopping, FileCheckpoint, TrainCheckpoint
@@ -122,6 +129,16 @@ class FinetuneConfig(Config):
         "batch); compress/augment.py",
     )
     progress: bool = True
+
+    @field_validator("output_losses")
+    @classmethod
+    def _known_losses(cls, v: dict[str, str]) -> dict[str, str]:
+        """A loss name is checked when the recipe loads, not after the steps before QAT ran."""
+        try:
+            check_losses(v)
+        except RecipeError as err:
+            raise ValueError(str(err)) from None
+        return v
 
     def key_dict(self) -> dict[str, Any]:
         """Without ``dropout`` while it is on, ``augment`` and ``output_losses`` while they are

@@ -22,7 +22,7 @@ from ..recipe import BenchConfig
 from ..runtimes import pair_name
 from ..signature import Signature, tile_rows
 from ..task import Inputs
-from .runners import Runner, make_runner
+from .runners import Runner, make_runner, runs_to_fill
 
 __all__ = [
     "DECISIVE_MARGIN",
@@ -32,6 +32,7 @@ __all__ = [
     "Until",
     "benchmark",
     "cannot_be_faster",
+    "decision_runs",
     "decisively_faster",
     "fixed_batch_note",
     "median_cannot_win",
@@ -428,8 +429,7 @@ def decision_runs(keyed: list[tuple[str, Runner]], one: Inputs, runs_per_round: 
     runner's run (the faster of two timed after warm-up) makes a round of it longer than
     :data:`DECISION_ROUND_S`, but not under :data:`DECISION_MIN_RUNS`."""
     slowest = max(float(np.min(_time_runs(r, one, 2)[0])) for _, r in keyed) / 1e3
-    fits = int(DECISION_ROUND_S / slowest) if slowest > 0 else runs_per_round
-    return min(runs_per_round, max(DECISION_MIN_RUNS, fits))
+    return runs_to_fill(slowest, DECISION_ROUND_S, DECISION_MIN_RUNS, runs_per_round)
 
 
 def throughput_round_indices(rounds: int, wanted: int) -> frozenset[int]:

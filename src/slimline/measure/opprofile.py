@@ -25,7 +25,7 @@ import numpy as np
 
 from ..task import Inputs
 from ..tensors import drop_frozen
-from .runners import ort_session, session_frozen
+from .runners import ort_session, runs_to_fill, session_frozen
 
 __all__ = ["aggregate", "kernel_events", "profile_ops"]
 
@@ -88,9 +88,7 @@ def profile_runs(run: Callable[[], Any], warmup: int, runs: int) -> int:
         t0 = time.perf_counter()
         run()
         took = time.perf_counter() - t0
-    if took <= 0.0:
-        return runs
-    return min(runs, max(PROFILE_MIN_RUNS, int(PROFILE_SECONDS / took)))
+    return runs_to_fill(took, PROFILE_SECONDS, PROFILE_MIN_RUNS, runs)
 
 
 def _session(path: Path, threads: int, prefix: Path, level: str) -> Any:

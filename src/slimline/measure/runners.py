@@ -36,6 +36,7 @@ __all__ = [
     "make_runner",
     "ort_message",
     "ort_session",
+    "runs_to_fill",
     "session_frozen",
     "session_input_spec",
 ]
@@ -296,3 +297,11 @@ def make_runner(
     if cand.module is not None:
         return TorchRunner(cand.name, cand.module, threads)
     raise ValueError(f"candidate {cand.name} has nothing to run")
+
+
+def runs_to_fill(per_run_s: float, seconds: float, floor: int, most: int) -> int:
+    """How many runs of ``per_run_s`` seconds fill ``seconds``: at most ``most``, not under
+    ``floor`` (``most`` when the run time is unknown, 0 or less)."""
+    if per_run_s <= 0.0:
+        return most
+    return min(most, max(floor, int(seconds / per_run_s)))

@@ -150,3 +150,11 @@ def test_qat_of_a_two_output_onnx_task_records_each_outputs_loss(
     (qat,) = [a for a in ctx.alternatives if a.step == "qat"]
     assert qat.meta["output_losses"] == {"z": "mse", "y": "kl"}
     assert qat.meta["finetune"]["steps"] == 2
+
+
+def test_a_bad_loss_name_fails_when_the_recipe_loads() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"'y': 'kl:0'.*one of cosine, mse, bce"):
+        FinetuneConfig(output_losses={"y": "kl:0"})
+    assert FinetuneConfig(output_losses={"y": "kl:8"}).output_losses == {"y": "kl:8"}
