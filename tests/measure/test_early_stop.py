@@ -95,11 +95,15 @@ def test_throughput_is_measured_in_its_rounds_only(
     from slimline.measure import latency
 
     calls: list[int] = []
+    warmed: list[bool] = []
     real = latency._throughput
 
-    def counted(runner: object, batch: object, size: int, min_seconds: float) -> float:
+    def counted(
+        runner: object, batch: object, size: int, min_seconds: float, warm: bool = True
+    ) -> float:
         calls.append(size)
-        return real(runner, batch, size, min_seconds)  # type: ignore[arg-type]
+        warmed.append(warm)
+        return real(runner, batch, size, min_seconds, warm)  # type: ignore[arg-type]
 
     monkeypatch.setattr(latency, "_throughput", counted)
     cands = [Candidate("a", "fp32", None, onnx=_identity_model(tmp_path / "a.onnx"))]
@@ -116,6 +120,7 @@ def test_throughput_is_measured_in_its_rounds_only(
     assert set(out["a"]["throughput"]) == {"1", "4"}
     assert all(v > 0 for v in out["a"]["throughput"].values())
     assert sorted(calls) == [1, 1, 4, 4]  # 2 rounds x 2 batch sizes, not 5 x 2
+    assert warmed == [True, True, False, False]  # a batch size is warmed in its first round only
 
 
 @pytest.mark.parametrize("rounds", [5, 10, 15])
@@ -282,3 +287,31 @@ def test_a_decision_round_of_a_slow_model_runs_about_a_second_and_never_under_th
     assert decision_runs([("a", fast), ("b", slow)], x, 40) == DECISION_MIN_RUNS
     assert decision_runs([("a", fast)], x, 20) == 20
     assert decision_runs([("b", slow)], x, 10) == 10  # never more than configured
+
+
+class _Counter(_Sleeper):
+    """A sleeping runner that counts its calls."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds)
+        self.calls = 0
+
+    def run(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        self.calls += 1
+        return super().run(inputs)
+
+
+def test_a_throughput_call_longer_than_the_minimum_is_one_sample() -> None:
+    """A call that outlasts ``throughput_min_seconds`` is timed once, after one untimed call the
+    first time the size is met and none after; short calls repeat until the minimum is filled."""
+    from slimline.measure.latency import _throughput
+
+    x = {"x": np.zeros((8, 1), np.float32)}
+    slow = _Counter(0.05)
+    assert 0 < _throughput(slow, x, 8, 0.02, warm=True) <= 8 / 0.05
+    assert slow.calls == 2  # the warm-up and one timed call
+    _throughput(slow, x, 8, 0.02, warm=False)
+    assert slow.calls == 3
+    fast = _Counter(0.0)
+    _throughput(fast, x, 8, 0.02, warm=False)
+    assert fast.calls > 1  # sleep(0) calls fill the 20 ms with many

@@ -40,7 +40,7 @@ def peak_rss(
     sample: Inputs,
     threads: int,
     task_source: str | None,
-    runs: int = 5,
+    runs: int = 3,
     timeout: float = 600,
     runtime: str = "onnxruntime",
 ) -> dict[str, float] | None:
@@ -51,7 +51,8 @@ def peak_rss(
     ``runs``: the peak is reached by the second run on the same input (the first allocates,
     ONNX Runtime's memory pattern plans the second) and stays flat after it: all-MiniLM-L6-v2 at
     batch 32, traced run by run over 20 runs on ONNX Runtime, OpenVINO and torch (FP32 and
-    NNCF INT8), changed by at most 0.1 MB after run 2. Five runs keep a margin.
+    NNCF INT8), changed by at most 0.1 MB after run 2. Three runs keep a margin of one (each
+    is a batch-32 call: over a second for a 40 ms model on an AVX2-only CPU).
     """
     if cand.onnx is not None:
         target = ["--onnx", str(cand.onnx), "--runtime", runtime]

@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 # bump when how candidates are measured or judged changes: cached figures and decisions miss
-MEASURE_VERSION = 2  # 2: decision benchmarks run about 1 s per candidate per round
+# 2: decision benchmarks run about 1 s per candidate per round; 3: a throughput size is warmed in
+# its first round only, a call past the minimum is one sample; peak RSS over 3 runs, not 5
+MEASURE_VERSION = 3
 MEASURE_PACKAGES = ("onnxruntime", "torch", "numpy", "openvino")
 
 
