@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from slimline.cache import StepCache
 from slimline.candidate import Candidate
@@ -255,3 +256,39 @@ def test_another_target_reuses_the_sensitivity_map(
     assert again.meta["sensitivity"]["groups"] == first.meta["sensitivity"]["groups"]
     assert again.meta["sensitivity"]["reused"] and "reused" not in first.meta["sensitivity"]
     assert again.meta["macs"]["removed"] >= 0.4
+
+
+class _TwoHeads(torch.nn.Module):
+    """The digits CNN with a second output: its pooled features (a detector's second head)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n: Any = self.net
+        y = n.block1(torch.relu(n.stem(x)))
+        feats = n.block2(torch.relu(n.down(y))).mean((2, 3))
+        return n.fc(feats), feats
+
+
+def test_a_model_with_two_outputs_recovers_on_both(
+    digits: Task, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery distils every output of a model that returns several (the losses see both
+    heads, in training and held-out evaluation), not only the first."""
+    from slimline.compress import distill_loss, finetune
+
+    assert digits.model is not None
+    task = dataclasses.replace(digits, model=lambda: _TwoHeads(digits.model()).eval())  # type: ignore[misc]
+    seen: list[int] = []
+    real = distill_loss.outputs_loss
+
+    def spy(student_out: Any, *a: Any, **kw: Any) -> Any:
+        seen.append(len(student_out) if isinstance(student_out, (tuple, list)) else 1)
+        return real(student_out, *a, **kw)
+
+    monkeypatch.setattr(finetune, "outputs_loss", spy)
+    cand = prune_step(_cfg(rounds=1), _fp32(task), make_context(task, tmp_path))
+    assert seen and set(seen) == {2}
+    assert cand.meta["macs"]["removed"] >= 0.3

@@ -217,6 +217,7 @@ def _recover_depth(
         desc="prune layers",
         checkpoint=FileCheckpoint(state.root / DEPTH_PARTIAL, "prune: recovery"),
         hooks=hooks,
+        all_outputs=True,  # a model with several heads recovers on each
     )
     quality = ctx.evaluate(Candidate("prune-layers", "prune", None, module=student.eval()))
     record = {

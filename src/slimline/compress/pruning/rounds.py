@@ -86,6 +86,7 @@ def _one_round(
         desc=f"prune round {i}/{cfg.rounds}",
         checkpoint=state.recovery(i),
         hooks=hooks,
+        all_outputs=True,  # a model with several heads recovers on each
     )
     quality = ctx.evaluate(Candidate(f"prune-round-{i}", "prune", None, module=graph.model.eval()))
     macs, params = count_macs_params(graph.model, graph.example)

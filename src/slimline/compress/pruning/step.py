@@ -143,7 +143,7 @@ def _share(before: int, after: int) -> dict[str, Any]:
 @step(
     PruneConfig,
     contract=Contract(consumes=("torch",), produces=("torch", "onnx")),
-    version=1,
+    version=2,  # 2: a model with several outputs is recovered on every one, not its first
     reads=("target.threads", "bench", "samples", "steps.export"),
     packages=("torch", "torch-pruning", "onnx", "onnxruntime", "numpy"),
     restore=restore_pruned,
