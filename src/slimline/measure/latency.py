@@ -356,11 +356,13 @@ def _benchmark(
     until, retire = stops
     keyed, failed = _runners(cands, threads, signature, runtimes, pairs)
     one = tile_batch(sample, 1, signature)
-    keyed = _warmed_up(keyed, one, bench.warmup, failed if len(runtimes) > 1 else None)
+    keyed, took = _warmed_up(keyed, one, bench.warmup, failed if len(runtimes) > 1 else None)
     if not keyed:
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
-    runs = decision_runs(keyed, one, bench.runs_per_round) if decision else bench.runs_per_round
+    runs = (
+        decision_runs(keyed, one, bench.runs_per_round, took) if decision else bench.runs_per_round
+    )
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
     batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
     not_applicable = fixed_batch_note(signature, bench.batch_sizes) if throughput else {}
@@ -415,30 +417,44 @@ def _warmed_up(
     one: Inputs,
     warmup: int,
     failed: dict[str, dict[str, Any]] | None,
-) -> list[tuple[str, Runner]]:
-    """The pairs after ``warmup`` runs each. With several runtimes (``failed`` given), a pair
-    that loaded but fails to run (a runtime's own error, a missing output) gets ``{"failed":
-    why}`` and the others are measured; a user's error, or any failure with one runtime,
-    raises as before."""
+) -> tuple[list[tuple[str, Runner]], dict[str, float]]:
+    """The pairs after ``warmup`` runs each, and the faster of each pair's last two warm-up runs
+    in seconds (where it had two). With several runtimes (``failed`` given), a pair that loaded
+    but fails to run (a runtime's own error, a missing output) gets ``{"failed": why}`` and the
+    others are measured; a user's error, or any failure with one runtime, raises as before."""
     kept: list[tuple[str, Runner]] = []
+    took: dict[str, float] = {}
     for key, r in keyed:
         try:
-            for _ in range(warmup):
+            for i in range(warmup):
+                t0 = time.perf_counter()
                 r.run(one)
+                if i >= warmup - 2 and warmup >= 2:
+                    took[key] = min(took.get(key, np.inf), time.perf_counter() - t0)
         except Exception as err:
             if failed is None or is_user_error(err):
                 raise
             failed[key] = {"failed": f"it loaded but does not run: {error_text(err)}"}
+            took.pop(key, None)
             continue
         kept.append((key, r))
-    return kept
+    return kept, took
 
 
-def decision_runs(keyed: list[tuple[str, Runner]], one: Inputs, runs_per_round: int) -> int:
+def decision_runs(
+    keyed: list[tuple[str, Runner]],
+    one: Inputs,
+    runs_per_round: int,
+    took: dict[str, float] | None = None,
+) -> int:
     """Runs per round of a decision benchmark: ``runs_per_round``, or fewer where the slowest
-    runner's run (the faster of two timed after warm-up) makes a round of it longer than
-    :data:`DECISION_ROUND_S`, but not under :data:`DECISION_MIN_RUNS`."""
-    slowest = max(float(np.min(_time_runs(r, one, 2)[0])) for _, r in keyed) / 1e3
+    runner's run (the faster of its last two warm-up runs, ``took`` in seconds, or of two timed
+    here where the warm-up had fewer) makes a round of it longer than :data:`DECISION_ROUND_S`,
+    but not under :data:`DECISION_MIN_RUNS`."""
+    took = took or {}
+    slowest = max(
+        took[k] if k in took else float(np.min(_time_runs(r, one, 2)[0])) / 1e3 for k, r in keyed
+    )
     return runs_to_fill(slowest, DECISION_ROUND_S, DECISION_MIN_RUNS, runs_per_round)
 
 
