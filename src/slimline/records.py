@@ -41,6 +41,7 @@ class TrialSummary(TypedDict):
     failure: str | None
     screened: str | None  # over budget on this subset of the rows, not evaluated on the rest
     timing_stopped: str | None  # timed on fewer rounds: it could no longer be faster than FP32
+    slow_at_any_range: str | None  # timed before full calibration, slower than FP32 at any ranges
     size_bytes: int | None
 
 
@@ -54,6 +55,7 @@ class SearchRecord(TypedDict, total=False):
     recalibration: dict[str, Any]  # a near miss rebuilt with the calibrations not yet tried
     no_candidate_met_budget: str
     stopped: str  # why the search ended where it did
+    speed_check: dict[str, Any]  # the static candidates timed before calibrating on all rows
 
 
 class QuantizeAlternativeRecord(TypedDict):

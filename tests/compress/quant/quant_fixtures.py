@@ -15,8 +15,13 @@ from torch import nn
 
 from slimline import StepContext, api
 from slimline.candidate import Candidate
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.plan import PrecisionPlan
+from slimline.compress.quant.trial import Search, Trial
 from slimline.export import export_module
-from slimline.recipe import Recipe
+from slimline.measure.latency import summarize_latency
+from slimline.measure.quality import Reference
+from slimline.recipe import Recipe, recipe_from_dict
 from slimline.task import Task
 
 
@@ -163,3 +168,99 @@ def make_ctx(
     )
     base = Candidate("fp32-onnx", "export", None, onnx=baseline_onnx)
     return api.context_for(task, recipe, workdir, baseline=base, cache=workdir.parent / "cache")
+
+
+def fp32_timed(ctx: StepContext, factor: float = 10.0) -> None:
+    """Real timings, with FP32's scaled up ``factor`` times: every candidate is then faster than
+    FP32, so which one is chosen depends only on the budget and the candidates' own timings (on
+    a CPU where INT8 runs slower than FP32, an AVX2-only one, as on any other). Both ways the
+    step times candidates are scaled: the plain comparison and the one that retires candidates
+    between rounds (the search's), whose per-round figures are scaled before it reads them."""
+    real, real_retiring = ctx.compare_fn, ctx.compare_retiring_fn
+    assert real is not None and real_retiring is not None
+    fp32 = ctx.baseline.name
+
+    def slowed(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        lat = figures[fp32]["latency_ms"]
+        for key, value in lat.items():
+            if isinstance(value, (int, float)):
+                lat[key] = value * factor
+            elif isinstance(value, list):
+                lat[key] = [v * factor for v in value]
+        return figures
+
+    def retiring(cands: list[Candidate], retire: Any) -> dict[str, dict[str, Any]]:
+        def scaled_retire(p50s: dict[str, list[float]]) -> Any:
+            return retire({k: [v * factor for v in r] if k == fp32 else r for k, r in p50s.items()})
+
+        return slowed(real_retiring(cands, scaled_retire))
+
+    ctx.compare_fn = lambda cands: slowed(real(cands))
+    ctx.compare_retiring_fn = retiring
+
+
+def encoder_task(encoder_onnx: Path, calib_batches: int = 2) -> Task:
+    """The encoder's task: 8-row calibration batches, 16 evaluation rows, fidelity only."""
+    return Task(
+        name="enc",
+        source="tests",
+        calibration_data=lambda: batches(text_inputs, calib_batches, 8),
+        eval_data=lambda: ((x, None) for x in batches(text_inputs, 1, 16, seed=40)),
+        metric=lambda out, lab: float(out.std()) * 0 + 1.0,
+        output_kind="embedding",
+    )
+
+
+CRAFTED_ROUNDS = 5
+
+
+def replayed_compare(per_round: dict[str, list[float]], seen: dict[str, int]) -> Any:
+    """A benchmark that replays crafted per-round p50s and asks ``retire`` after each round,
+    as slimline.measure.latency.benchmark does."""
+
+    def compare(cands: list[Candidate], retire: Any) -> dict[str, dict[str, Any]]:
+        active = [c.name for c in cands]
+        done: dict[str, list[float]] = {n: [] for n in active}
+        for rnd in range(CRAFTED_ROUNDS):
+            for n in active:
+                done[n].append(per_round[n][rnd])
+            active = [n for n in active if n not in set(retire(done))]
+            if len(active) <= 1:
+                break
+        seen.update({n: len(v) for n, v in done.items()})
+        return {
+            n: {"latency_ms": summarize_latency([np.full(5, x) for x in v])}
+            for n, v in done.items()
+        }
+
+    return compare
+
+
+def crafted_search(
+    tmp_path: Path, per_round: dict[str, list[float]], seen: dict[str, int]
+) -> Search:
+    recipe = recipe_from_dict(
+        {"name": "r", "task": "m.onnx", "samples": "s.npz", "bench": {"rounds": CRAFTED_ROUNDS}}
+    )
+    ctx = StepContext(
+        task=Task(
+            name="t",
+            source="t",
+            calibration_data=lambda: [],
+            eval_data=lambda: [],
+            metric=lambda o, lab: 0.0,
+            onnx_path=Path("m.onnx"),
+        ),
+        recipe=recipe,
+        workdir=tmp_path,
+        baseline=Candidate("fp32-onnx", "fp32", None),
+        reference=Reference(outputs=np.zeros((4, 3), np.float32), labels=None, metric=1.0),
+        compare_fn=lambda cs: {},
+        compare_retiring_fn=replayed_compare(per_round, seen),
+    )
+    return Search(ctx, QuantizeConfig(), None, {}, tmp_path, lambda: [])  # type: ignore[arg-type]
+
+
+def crafted_trial(tmp_path: Path, slug: str) -> Trial:
+    spec = QuantSpec(mode="static", calibration=slug)  # type: ignore[arg-type]
+    return Trial(spec, PrecisionPlan({}, {}), tmp_path / f"{slug}.onnx")

@@ -8,82 +8,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from quant_fixtures import CRAFTED_ROUNDS, crafted_search, crafted_trial
 
-from slimline.candidate import Candidate
 from slimline.compress.quant import auto
-from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.config import QuantSpec
 from slimline.compress.quant.plan import MIXED, PrecisionPlan
-from slimline.compress.quant.trial import Search, Trial
-from slimline.context import StepContext
-from slimline.measure.latency import summarize_latency
-from slimline.measure.quality import Quality, Reference
-from slimline.recipe import recipe_from_dict
-from slimline.taskspec import Task
+from slimline.compress.quant.trial import Trial
+from slimline.measure.quality import Quality
 
-ROUNDS = 5
-
-
-def _fake_compare(per_round: dict[str, list[float]], seen: dict[str, int]) -> Any:
-    """A benchmark that replays crafted per-round p50s and asks ``retire`` after each round,
-    as slimline.measure.latency.benchmark does."""
-
-    def compare(cands: list[Candidate], retire: Any) -> dict[str, dict[str, Any]]:
-        active = [c.name for c in cands]
-        done: dict[str, list[float]] = {n: [] for n in active}
-        for rnd in range(ROUNDS):
-            for n in active:
-                done[n].append(per_round[n][rnd])
-            active = [n for n in active if n not in set(retire(done))]
-            if len(active) <= 1:
-                break
-        seen.update({n: len(v) for n, v in done.items()})
-        return {
-            n: {"latency_ms": summarize_latency([np.full(5, x) for x in v])}
-            for n, v in done.items()
-        }
-
-    return compare
-
-
-def _search(tmp_path: Path, per_round: dict[str, list[float]], seen: dict[str, int]) -> Search:
-    recipe = recipe_from_dict(
-        {"name": "r", "task": "m.onnx", "samples": "s.npz", "bench": {"rounds": ROUNDS}}
-    )
-    ctx = StepContext(
-        task=Task(
-            name="t",
-            source="t",
-            calibration_data=lambda: [],
-            eval_data=lambda: [],
-            metric=lambda o, lab: 0.0,
-            onnx_path=Path("m.onnx"),
-        ),
-        recipe=recipe,
-        workdir=tmp_path,
-        baseline=Candidate("fp32-onnx", "fp32", None),
-        reference=Reference(outputs=np.zeros((4, 3), np.float32), labels=None, metric=1.0),
-        compare_fn=lambda cs: {},
-        compare_retiring_fn=_fake_compare(per_round, seen),
-    )
-    return Search(ctx, QuantizeConfig(), None, {}, tmp_path, lambda: [])  # type: ignore[arg-type]
-
-
-def _trial(tmp_path: Path, slug: str) -> Trial:
-    spec = QuantSpec(mode="static", calibration=slug)  # type: ignore[arg-type]
-    return Trial(spec, PrecisionPlan({}, {}), tmp_path / f"{slug}.onnx")
+ROUNDS = CRAFTED_ROUNDS
 
 
 def test_a_trial_that_cannot_beat_fp32_leaves_the_rounds_early(tmp_path: Path) -> None:
-    fast, slow = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    fast, slow = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
     per_round = {
         "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
         fast.name: [5.0, 5.1, 4.9, 5.0, 5.2],
         slow.name: [14.0, 14.5, 13.8, 14.2, 14.1],  # 1.4x: its median cannot win after 3
     }
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [fast, slow]
     s.measure([fast, slow])
     assert seen == {"fp32-onnx": 5, fast.name: 5, slow.name: 3}
@@ -93,27 +38,27 @@ def test_a_trial_that_cannot_beat_fp32_leaves_the_rounds_early(tmp_path: Path) -
 
 
 def test_a_close_trial_is_timed_every_round(tmp_path: Path) -> None:
-    close = _trial(tmp_path, "minmax")
+    close = crafted_trial(tmp_path, "minmax")
     per_round = {
         "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
         close.name: [9.5, 9.8, 9.4, 9.9, 9.5],  # near the 3% threshold: later rounds decide
     }
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [close]
     s.measure([close])
     assert seen[close.name] == 5 and close.timing_stopped is None
 
 
 def test_when_every_trial_is_settled_the_benchmark_ends(tmp_path: Path) -> None:
-    a, b = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
     per_round = {
         "fp32-onnx": [10.0] * 5,
         a.name: [20.0] * 5,
         b.name: [30.0] * 5,
     }
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [a, b]
     s.measure([a, b])
     assert seen == {"fp32-onnx": 3, a.name: 3, b.name: 3}
@@ -139,9 +84,9 @@ def test_the_layerwise_table_is_measured_only_when_needed(
         return [{"node": "n", "sqnr_db": 20.0}]
 
     monkeypatch.setattr(trial_mod, "layer_errors", fake_layer_errors)
-    s = _search(tmp_path, {}, {})
+    s = crafted_search(tmp_path, {}, {})
     s.prepared = type("P", (), {"path": tmp_path / "p.onnx"})()
-    t = _trial(tmp_path, "minmax")
+    t = crafted_trial(tmp_path, "minmax")
     t.budget_ok, t.budget_reason = budget_ok, "cosine 0.9 < budget 0.99"
     if cached:
         s.layer_errors(t)  # what mixed precision does with its base
@@ -159,7 +104,7 @@ def test_mixed_precision_times_its_result_only_within_budget(
 ) -> None:
     from slimline.compress.quant import mixed
 
-    base = _trial(tmp_path, "minmax")
+    base = crafted_trial(tmp_path, "minmax")
     per_round = {"fp32-onnx": [10.0] * 5, base.name: [5.0] * 5}
     plan = base.plan.with_float(["n1", "n2"], MIXED)
     probe = Trial(base.spec, plan, tmp_path / "mixed.onnx")
@@ -167,7 +112,7 @@ def test_mixed_precision_times_its_result_only_within_budget(
     probe.budget_ok, probe.budget_reason = probe_ok, "agreement 0.90 < budget 0.99"
     per_round[probe.name] = [6.0] * 5
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [base]
     s.measure([base])
     seen.clear()
@@ -184,14 +129,14 @@ def test_trials_over_budget_are_timed_only_to_rank_them(tmp_path: Path) -> None:
     RANK_ROUNDS rounds, and the ranking it gives is the one every round would have given."""
     from slimline.compress.quant.trial import RANK_ROUNDS
 
-    a, b = _trial(tmp_path, "minmax"), _trial(tmp_path, "percentile")
+    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
     per_round = {
         "fp32-onnx": [10.0, 10.2, 9.9, 10.1, 10.0],
         a.name: [6.0, 6.1, 5.9, 6.0, 6.2],
         b.name: [6.4, 6.5, 6.3, 6.4, 6.6],
     }
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [a, b]
     s.measure([a, b], rank_only=True)
     assert RANK_ROUNDS < ROUNDS
@@ -204,7 +149,7 @@ def test_trials_over_budget_are_timed_only_to_rank_them(tmp_path: Path) -> None:
 
 
 def _graded(tmp_path: Path, slug: str, cosine: float) -> Trial:
-    t = _trial(tmp_path, slug)
+    t = crafted_trial(tmp_path, slug)
     t.quality = Quality(
         metric=0.0, cosine_mean=cosine, cosine_min=cosine, max_abs_err=1.0, top1_agreement=None
     )
@@ -221,7 +166,7 @@ def test_a_near_miss_is_rebuilt_with_the_calibration_no_candidate_used(
     (1 - min_cosine = 0.01); a far miss costs no extra calibration."""
     minmax = _graded(tmp_path, "minmax", 0.9880 if near else 0.95)
     percentile = _graded(tmp_path, "percentile", 0.9700)
-    entropy = _trial(tmp_path, "entropy")
+    entropy = crafted_trial(tmp_path, "entropy")
     per_round = {
         "fp32-onnx": [10.0] * 5,
         minmax.name: [6.0] * 5,
@@ -229,7 +174,7 @@ def test_a_near_miss_is_rebuilt_with_the_calibration_no_candidate_used(
         entropy.name: [6.1] * 5,
     }
     calibrated: list[set[str]] = []
-    s = _search(tmp_path, per_round, {})
+    s = crafted_search(tmp_path, per_round, {})
     s.trials = [minmax, percentile]
     s.measure([minmax, percentile], rank_only=True)
 
@@ -267,7 +212,7 @@ def test_a_recalibrated_trial_over_budget_is_not_timed_and_says_why(
     percentile = _graded(tmp_path, "percentile", 0.95)
     per_round = {"fp32-onnx": [10.0] * 5, minmax.name: [6.0] * 5, percentile.name: [6.0] * 5}
     seen: dict[str, int] = {}
-    s = _search(tmp_path, per_round, seen)
+    s = crafted_search(tmp_path, per_round, seen)
     s.trials = [minmax, percentile]
     s.measure(s.trials, rank_only=True)
     seen.clear()
@@ -278,3 +223,24 @@ def test_a_recalibrated_trial_over_budget_is_not_timed_and_says_why(
     assert s.trials == [minmax, percentile, entropy]
     assert "a recalibrated near miss over budget cannot be chosen for speed" in s.reason(entropy)
     assert "did not qualify" in s.recalibration["result"]
+
+
+def test_no_layerwise_table_for_a_choice_the_paired_rounds_reject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search's own test passes (median 0.96x FP32's, both band ends lower), but paired by
+    round the ratio is 0.975: by the run's speed test the trial is not measurably faster, so no
+    INT8 model of the search can be kept and its diagnostic table is not measured."""
+    from slimline.compress.quant import trial as trial_mod
+
+    monkeypatch.setattr(trial_mod, "layer_errors", lambda *a: pytest.fail("table measured"))
+    t = crafted_trial(tmp_path, "minmax")
+    per_round = {"fp32-onnx": [10.4, 10.4, 10.0, 9.0, 9.0], t.name: [9.6, 9.6, 9.75, 8.9, 8.9]}
+    s = crafted_search(tmp_path, per_round, {})
+    s.trials = [t]
+    s.measure([t])
+    t.budget_ok = True
+    assert s.faster(t)
+    assert auto.layerwise_for(s, t) == []
+    assert s.layerwise_skipped is not None
+    assert "misses the 3% gain round by round (median per-round ratio 0.97" in s.layerwise_skipped

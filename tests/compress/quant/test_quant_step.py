@@ -3,11 +3,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import onnx
 import pytest
-from quant_fixtures import batches, cnn_inputs, cnn_task, make_ctx, text_inputs
+from quant_fixtures import (
+    batches,
+    cnn_inputs,
+    cnn_task,
+    encoder_task,
+    fp32_timed,
+    make_ctx,
+    text_inputs,
+)
 
 from slimline.candidate import QUANTIZABLE_SOURCE, Candidate
 from slimline.compress.quant.calibrate import calibrate
@@ -20,42 +27,12 @@ from slimline.compress.quant.trial import Search
 from slimline.context import StepContext
 from slimline.cpu import detect as detect_cpu
 from slimline.errors import RecipeError
-from slimline.task import Task
 
 pytestmark = pytest.mark.cpu_kinds  # INT8 kernels: also run under the AVX2 lane
 
 
 def _input(onnx_path: Path) -> Candidate:
     return Candidate("fp32-onnx", "export", None, onnx=onnx_path)
-
-
-def _fp32_timed_slow(ctx: StepContext, factor: float = 10.0) -> None:
-    """Real timings, with FP32's scaled up ``factor`` times: every candidate is then faster than
-    FP32, so which one is chosen depends only on the budget and the candidates' own timings (on
-    a CPU where INT8 runs slower than FP32, an AVX2-only one, as on any other). Both ways the
-    step times candidates are scaled: the plain comparison and the one that retires candidates
-    between rounds (the search's), whose per-round figures are scaled before it reads them."""
-    real, real_retiring = ctx.compare_fn, ctx.compare_retiring_fn
-    assert real is not None and real_retiring is not None
-    fp32 = ctx.baseline.name
-
-    def slowed(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        lat = figures[fp32]["latency_ms"]
-        for key, value in lat.items():
-            if isinstance(value, (int, float)):
-                lat[key] = value * factor
-            elif isinstance(value, list):
-                lat[key] = [v * factor for v in value]
-        return figures
-
-    def retiring(cands: list[Candidate], retire: Any) -> dict[str, dict[str, Any]]:
-        def scaled_retire(p50s: dict[str, list[float]]) -> Any:
-            return retire({k: [v * factor for v in r] if k == fp32 else r for k, r in p50s.items()})
-
-        return slowed(real_retiring(cands, scaled_retire))
-
-    ctx.compare_fn = lambda cands: slowed(real(cands))
-    ctx.compare_retiring_fn = retiring
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +42,7 @@ def auto_run(
     task = cnn_task(cnn_onnx)
     work = tmp_path_factory.mktemp("auto") / "work"
     ctx = make_ctx(task, cnn_onnx, work, {"max_metric_drop": 0.05, "min_cosine": 0.98})
-    _fp32_timed_slow(ctx)  # the choice is forced: a candidate within budget is always chosen
+    fp32_timed(ctx)  # the choice is forced: a candidate within budget is always chosen
     cfg = QuantizeConfig(samples=64, keep_first_last_float=True)  # explicit: no edges-int8 variant
     return quantize_step(cfg, _input(cnn_onnx), ctx), ctx, work
 
@@ -121,7 +98,7 @@ def test_no_candidate_within_budget_is_recorded_with_every_candidates_reason(
     task = cnn_task(cnn_onnx)
     # a cosine of exactly 1.0 is out of reach for any INT8 model: the rejection is forced
     ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"min_cosine": 1.0})
-    _fp32_timed_slow(ctx)
+    fp32_timed(ctx)
     cfg = QuantizeConfig(samples=64, keep_first_last_float=True, mixed_precision=False)
     out = quantize_step(cfg, _input(cnn_onnx), ctx)
     why = out.meta["no_candidate_met_budget"]
@@ -140,7 +117,7 @@ def test_the_layer_table_is_not_measured_for_a_choice_slower_than_fp32(
     diagnostic layer table is skipped, and the record says why."""
     task = cnn_task(cnn_onnx)
     ctx = make_ctx(task, cnn_onnx, tmp_path / "work", {"max_metric_drop": 0.05, "min_cosine": 0.9})
-    _fp32_timed_slow(ctx, factor=0.1)
+    fp32_timed(ctx, factor=0.1)
     cfg = QuantizeConfig(samples=64, keep_first_last_float=True, mixed_precision=False)
     out = quantize_step(cfg, _input(cnn_onnx), ctx)
     assert "no_candidate_met_budget" in out.meta
@@ -264,14 +241,7 @@ def test_manual_dynamic_mode_on_a_transformer(encoder_onnx: Path, tmp_path: Path
     from slimline.measure.runners import OrtRunner
 
     ref = OrtRunner("ref", encoder_onnx, 1)
-    task = Task(
-        name="enc",
-        source="tests",
-        calibration_data=lambda: batches(text_inputs, 2, 8),
-        eval_data=lambda: ((x, None) for x in batches(text_inputs, 1, 16, seed=40)),
-        metric=lambda out, lab: float(out.std()) * 0 + 1.0,
-        output_kind="embedding",
-    )
+    task = encoder_task(encoder_onnx)
     assert ref.run(text_inputs(1, 1)).shape == (1, 64)
     ctx = make_ctx(task, encoder_onnx, tmp_path / "w", {"min_cosine": 0.95})
     rr = detect_cpu().u8s8_saturates  # the format this CPU runs well

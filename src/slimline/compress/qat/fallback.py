@@ -48,6 +48,14 @@ def qat_fallback(
     if why is None:
         ptq.meta["qat_fallback"] = "not needed: post-training quantization met the budget"
         return ptq
+    check = record.get("speed_check") or {}
+    if check.get("slow"):  # QAT's INT8 runs the same kernels: it cannot be faster either
+        ptq.meta["qat_fallback"] = (
+            f"{why}; QAT skipped: no static INT8 candidate can be faster than FP32 on this CPU "
+            f"({check['result']})"
+        )
+        ctx.warn(f"quantize: {ptq.meta['qat_fallback']}")
+        return ptq
     if cand.module is None and not ctx.task.is_onnx:
         ptq.meta["qat_fallback"] = f"{why}; QAT skipped: {cand.name} has no torch model"
         ctx.warn(f"quantize: {ptq.meta['qat_fallback']}")

@@ -42,9 +42,9 @@ def search(
 
     Returns (chosen, rejected, record)."""
     with s.timed("quantize"):
-        s.trials = [s.build(spec, plan, plan.tag) for spec, plan in tries]
+        s.trials = [*s.slow_statics, *(s.build(spec, plan, plan.tag) for spec, plan in tries)]
     with s.timed("evaluate"):
-        for t in s.trials:
+        for t in s.usable():
             s.judge(t)
     in_budget = [t for t in s.usable() if t.budget_ok]
     with s.timed("compare"):
@@ -267,6 +267,12 @@ def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
         why = f"is over budget ({trial.budget_reason})"
     elif trial.latency is not None and trial.fp32 is not None and not s.faster(trial):
         why = f"is not measurably faster than FP32 ({s.ratio(trial):.2f}x its latency)"
+    elif (paired := _rounds_miss_the_gain(s, trial)) is not None:
+        why = (
+            f"misses the {s.ctx.recipe.budget.min_gain:.0%} gain round by round (median "
+            f"per-round ratio {paired:.2f} to FP32 over the search's interleaved rounds): by "
+            "the run's own speed test it is not measurably faster than FP32"
+        )
     else:
         return s.layer_errors(trial)
     s.layerwise_skipped = (
@@ -274,3 +280,18 @@ def layerwise_for(s: Search, trial: Trial) -> list[dict[str, Any]]:
         "chosen candidate within budget and faster than FP32"
     )
     return []
+
+
+def _rounds_miss_the_gain(s: Search, trial: Trial) -> float | None:
+    """The median per-round ratio of ``trial`` to FP32 where the search timed both on the same
+    rounds and that ratio alone makes the pipeline's verdict ``not faster``
+    (:func:`~slimline.measure.latency.speed_verdict`); None otherwise. The search's own test
+    (:meth:`~.trial.Search.faster`) compares medians, which can pass where the paired ratio
+    does not."""
+    if trial.latency is None or trial.fp32 is None:
+        return None
+    ours, theirs = trial.latency.get("per_round_p50") or [], trial.fp32.get("per_round_p50") or []
+    if not ours or len(ours) != len(theirs):
+        return None
+    verdict, pair = speed_verdict(trial.fp32, trial.latency, s.ctx.recipe.budget.min_gain)
+    return float(pair["ratio"]) if verdict == "not faster" else None

@@ -23,6 +23,10 @@ _AUTO_ONLY = (
     "is ignored outside mode auto (whose search recalibrates a near miss); drop it, or set "
     "mode: auto"
 )
+_CHECK_AUTO_ONLY = (
+    "is ignored outside mode auto (whose search times its static candidates before "
+    "calibrating on all rows); drop it, or set mode: auto"
+)
 
 
 class QuantizeConfig(StepConfig):
@@ -81,6 +85,13 @@ class QuantizeConfig(StepConfig):
         description="qat: quantization-aware training when PTQ plus mixed precision misses the "
         "budget or keeps more than max_float_share of the compute ops in float",
     )
+    speed_check: bool = Field(
+        True,
+        description="mode auto: build the static candidates on the ranges of speed_check_rows "
+        "calibration rows and time them against FP32 first; calibrate on all rows only when one "
+        "can be faster (an INT8 model's speed does not depend on its ranges)",
+    )
+    speed_check_rows: int = Field(32, ge=1, le=10_000)
     layerwise_samples: int = Field(16, ge=1, le=1024)
     screen: bool = Field(
         True,
@@ -126,11 +137,15 @@ class QuantizeConfig(StepConfig):
             ],
             "static": [
                 ("recalibrate_near_miss", _AUTO_ONLY),
+                ("speed_check", _CHECK_AUTO_ONLY),
+                ("speed_check_rows", _CHECK_AUTO_ONLY),
                 ("quantize_embeddings", "is ignored by mode static: only dynamic quantization "
                  "stores embedding tables in INT8; drop it, or set mode: dynamic"),
             ],
             "dynamic": [
                 ("recalibrate_near_miss", _AUTO_ONLY),
+                ("speed_check", _CHECK_AUTO_ONLY),
+                ("speed_check_rows", _CHECK_AUTO_ONLY),
                 *(
                 (name, "is ignored by mode dynamic, which quantizes activations at run time from "
                  "their own range" + static)

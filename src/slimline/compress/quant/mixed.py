@@ -24,7 +24,7 @@ log = logging.getLogger("slimline.quantize")
 
 def mixed_from_fastest(s: Search) -> Trial | None:
     """Mixed precision from the fastest candidate that is faster than FP32 (it only costs speed)."""
-    fast = sorted((t for t in s.trials if s.faster(t)), key=lambda t: t.p50())
+    fast = sorted((t for t in s.usable() if s.faster(t)), key=lambda t: t.p50())
     if not fast:
         s.mixed_trace.append({"skipped": "no candidate is faster than FP32, nothing to trade"})
         return None

@@ -31,6 +31,7 @@ from .distribution import analyse, weight_stats
 from .mixed import mixed_precision
 from .plan import resolve_plan
 from .prepare import Prepared, prepare
+from .speed_check import SpeedCheck, speed_check, wants_speed_check
 from .trial import Search, Trial
 
 __all__ = ["QuantizeConfig", "for_openvino", "quantize_step"]
@@ -60,30 +61,85 @@ def _eval_inputs(ctx: StepContext) -> Iterable[Inputs]:
 
 
 def _calibrate(
-    cfg: QuantizeConfig, prepared: Prepared, methods: set[str], ctx: StepContext, more: bool = False
+    cfg: QuantizeConfig,
+    prepared: Prepared,
+    methods: set[str],
+    ctx: StepContext,
+    more: bool = False,
+    rows: int | None = None,
 ) -> Calibration:
     """One calibration pass for ``methods``. ``more``: the search's follow-up for methods not run
-    up front (its own folder; representativeness and the few-samples warning were given once)."""
+    up front (its own folder; representativeness and the few-samples warning were given once).
+    ``rows``: the speed check's few rows (:mod:`.speed_check`; its own folder, ranges only)."""
+    first = not more and rows is None
     calib = calibrate(
         prepared.path,
         ctx.task.calibration_data(),
-        ctx.workdir / ("calibration-more" if more else "calibration"),
-        samples=cfg.samples,
+        ctx.workdir / ("calibration" if first else "calibration-more" if more else "speed-check"),
+        samples=rows or cfg.samples,
         methods=methods,
         percentile=cfg.percentile,
         symmetric=cfg.activation_symmetric,
         chunk_mb=cfg.calibration_chunk_mb,
         threads=ctx.threads,
-        eval_batches=None if more else _eval_inputs(ctx),
+        eval_batches=_eval_inputs(ctx) if first else None,
         eval_samples=cfg.representativeness_samples,
         signature=ctx.task.signature,
     )
-    if calib.samples < FEW_SAMPLES and not more:
+    if calib.samples < FEW_SAMPLES and first:
         ctx.warn(
             f"quantize: calibrated on {calib.samples} samples (fewer than {FEW_SAMPLES}); ranges "
             "may miss rare activations: give calibration_data() more samples"
         )
     return calib
+
+
+def _search_for(
+    cfg: QuantizeConfig, prepared: Prepared, tries: list[tuple[QuantSpec, Any]], ctx: StepContext
+) -> tuple[Search, Calibration, SpeedCheck | None, list[tuple[QuantSpec, Any]]]:
+    """The search, on the ranges it builds on (:func:`_ranges`), and the settings it still
+    tries: without the static ones where the speed check set them aside."""
+    s = Search(ctx, cfg, prepared, {}, ctx.workdir / "candidates", lambda: _eval_inputs(ctx))
+    s.out_dir.mkdir(parents=True, exist_ok=True)
+    calib, check = _ranges(cfg, prepared, tries, s)
+    if check is not None and check.slow:
+        tries = [t for t in tries if t[0].mode != "static"]
+        s.slow_statics, s.caches = check.trials, {}  # nothing static is built from here on
+    else:
+        s.caches = calib.caches
+    s.calibrate_more = lambda extra: _calibrate(cfg, prepared, extra, ctx, more=True).caches
+    return s, calib, check, tries
+
+
+def _ranges(
+    cfg: QuantizeConfig, prepared: Prepared, tries: list[tuple[QuantSpec, Any]], s: Search
+) -> tuple[Calibration, SpeedCheck | None]:
+    """The calibration the search builds on, and the speed check's findings where it ran
+    (:mod:`.speed_check`): the check's few rows when no static candidate can be faster than
+    FP32 (nothing static is built on them again), a pass over every row otherwise."""
+    ctx = s.ctx
+    check = None
+    methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
+    if wants_speed_check(cfg, ctx.recipe.budget.objective, tries):
+        statics = [t for t in tries if t[0].mode == "static"]
+        rows = cfg.speed_check_rows
+        with s.timed("speed_check"):
+            check = speed_check(
+                s, statics, lambda: _calibrate(cfg, prepared, methods, ctx, rows=rows)
+            )
+        if check.slow and check.calibration is not None:
+            return check.calibration, check
+    return _calibrate(cfg, prepared, methods, ctx), check
+
+
+def _calibration_summary(calib: Calibration, check: SpeedCheck | None) -> dict[str, Any]:
+    out = calib.summary()
+    if check is not None and check.slow:
+        out["note"] = (
+            f"the speed check's {calib.samples} rows only: no static candidate could be faster "
+            "than FP32, so nothing was calibrated on all rows (the distributions are of these rows)"
+        )
+    return out
 
 
 def _ranges_used(chosen: Trial) -> set[str]:
@@ -121,7 +177,7 @@ def _warn_representativeness(ctx: StepContext, rep: dict[str, Any], chosen: Tria
 @step(
     QuantizeConfig,
     contract=Contract(consumes=("onnx",), produces=("onnx-int8",)),
-    version=9,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI; a target on OpenVINO only gets no UINT8-weight QDQ (OpenVINO runs it in float); 8: a trial whose median can no longer beat FP32's is timed on fewer rounds, the layer-wise table reuses mixed precision's and is left out for a candidate that cannot be kept; 9: with no trial within budget, trials are timed on at most 3 rounds, only to rank them
+    version=10,  # 2: equal-speed candidates of one size go to the more faithful; 3: inf/NaN activations calibrated on their finite values; 4: float nodes read their own per-axis DequantizeLinear (ONNX Runtime no longer quantizes their weights at load); auto mode also tries Q/DQ around the compute ops only on convolutional graphs; 5: mixed precision tries nodes by measured output gain per cost (compress/quant/impact.py); 6: trials screened on a subset of the evaluation rows (measure/screen.py), the search records why it stopped; 7: nncf: true also builds NNCF's documented OpenVINO path (compress/nncf_ov.py), the ONNX-backend model from an opset-13 graph, both with the overflow fix on x86 without VNNI; a target on OpenVINO only gets no UINT8-weight QDQ (OpenVINO runs it in float); 8: a trial whose median can no longer beat FP32's is timed on fewer rounds, the layer-wise table reuses mixed precision's and is left out for a candidate that cannot be kept; 9: with no trial within budget, trials are timed on at most 3 rounds, only to rank them; 10: with dynamic candidates beside them, the static ones are timed on a few rows' ranges before the full calibration, which runs only when one can be faster (compress/quant/speed_check.py); no layer-wise table for a trial the paired rounds reject
     reads=("target", "budget", "outputs", "metric", "bench"),
     packages=("onnx", "onnxruntime", "numpy"),
 )
@@ -140,14 +196,8 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     tries = for_openvino(tries, ctx.recipe.target.runtime)
     for risk in format_warnings((sp for sp, _ in tries), detect_cpu()):
         ctx.warn(f"quantize: {risk}")
-    methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
-    calib = _calibrate(cfg, prepared, methods, ctx)
+    s, calib, check, tries = _search_for(cfg, prepared, tries, ctx)
     dist = analyse(calib, weight_stats(prepared.path, plan.int8_nodes))
-    s = Search(
-        ctx, cfg, prepared, calib.caches, ctx.workdir / "candidates", lambda: _eval_inputs(ctx)
-    )
-    s.out_dir.mkdir(parents=True, exist_ok=True)
-    s.calibrate_more = lambda extra: _calibrate(cfg, prepared, extra, ctx, more=True).caches
     if cfg.mode == "auto":
         chosen, rejected, record = search(s, tries)
     else:
@@ -156,6 +206,8 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
     with s.timed("layerwise"):
         rows = _layerwise(s, chosen)
     record["candidates"] = [_trial_summary(s, t) for t in s.trials]
+    if check is not None:
+        record["speed_check"] = check.record
     d = describe(s, chosen, rows)
     meta = QuantizeRecord(
         mode=cfg.mode,
@@ -169,12 +221,16 @@ def quantize_step(cfg: QuantizeConfig, cand: Candidate, ctx: StepContext) -> Can
         latency_ratio_vs_fp32=d["latency_ratio_vs_fp32"],
         notes=d["notes"],
         prepared=prepared.summary(),
-        calibration=calib.summary(),
+        calibration=_calibration_summary(calib, check),
         representativeness=calib.representativeness,
         distributions=dist,
         search=record,
         step_wall_s=round(time.perf_counter() - t0, 2),
-        timings_s={"prepare": round(t_prep, 3), "calibrate": round(calib.wall_s, 3), **s.timings},
+        timings_s={
+            "prepare": round(t_prep, 3),
+            "calibrate": 0.0 if check and check.slow else round(calib.wall_s, 3),
+            **s.timings,
+        },
     )
     if "no_candidate_met_budget" in record:
         meta["no_candidate_met_budget"] = record["no_candidate_met_budget"]
@@ -289,6 +345,7 @@ def _trial_summary(s: Search, t: Trial) -> TrialSummary:
         "failure": t.failure,
         "screened": t.screened,
         "timing_stopped": t.timing_stopped,
+        "slow_at_any_range": t.slow_at_any_range,
         "size_bytes": t.size if t.path.is_file() else None,  # a failed trial has no file
     }
 

@@ -70,6 +70,9 @@ class Trial:
     timing_stopped: str | None = None  # left out of later timing rounds: the rounds, and why
     cpu_p50: tuple[float, float] | None = None  # CPU ms per run, the trial's and FP32's
     not_timed: str | None = None  # why a trial built after the first timing was not timed
+    # timed before calibrating on all rows and slower than FP32 at any ranges (.speed_check):
+    # recorded with that timing, never evaluated, built on again or chosen
+    slow_at_any_range: str | None = None
 
     @property
     def name(self) -> str:
@@ -109,6 +112,7 @@ class Search:
     # ranges for calibration methods not run up front: method names -> their cache files
     calibrate_more: Callable[[set[str]], dict[str, Path]] | None = None
     recalibration: dict[str, Any] = field(default_factory=dict)  # the near-miss follow-up
+    slow_statics: list[Trial] = field(default_factory=list)  # set aside by .speed_check
 
     def layer_errors(self, trial: Trial) -> list[dict[str, Any]]:
         """``trial``'s layer-wise error (:func:`.layerwise.layer_errors`), measured once per
@@ -134,10 +138,13 @@ class Search:
         finally:
             self.timings[what] = round(self.timings.get(what, 0.0) + time.perf_counter() - t0, 3)
 
-    def build(self, spec: QuantSpec, plan: PrecisionPlan, tag: str = "") -> Trial:
-        """Write one variant and check it (``onnx.checker`` plus an ONNX Runtime load); a
-        failure rejects this trial with its reason, never the step."""
-        trial = Trial(spec, plan, self.out_dir / f"{spec.slug}{tag}.onnx")
+    def build(
+        self, spec: QuantSpec, plan: PrecisionPlan, tag: str = "", where: Path | None = None
+    ) -> Trial:
+        """Write one variant (into ``where``, by default the search's folder) and check it
+        (``onnx.checker`` plus an ONNX Runtime load); a failure rejects this trial with its
+        reason, never the step."""
+        trial = Trial(spec, plan, (where or self.out_dir) / f"{spec.slug}{tag}.onnx")
         try:
             quantize_model(self.prepared.path, trial.path, spec, plan.float_nodes, self.caches)
             check_candidate(trial.path, self.ctx.threads)
@@ -196,7 +203,8 @@ class Search:
         return True
 
     def usable(self) -> list[Trial]:
-        return [t for t in self.trials if t.failure is None]
+        """The trials the search can still judge, time, build on or choose."""
+        return [t for t in self.trials if t.failure is None and t.slow_at_any_range is None]
 
     def candidate(self, trial: Trial, parent: str = "") -> Candidate:
         return Candidate(name=trial.name, step="quantize", parent=parent or None, onnx=trial.path)
@@ -290,6 +298,8 @@ class Search:
     def reason(self, trial: Trial) -> str:
         if trial.failure is not None:
             return f"failed: {trial.failure}"
+        if trial.slow_at_any_range is not None:
+            return f"not faster than FP32 at any ranges: {trial.slow_at_any_range}"
         if trial.latency is None or trial.fp32 is None:
             why = trial.not_timed or (
                 "mixed precision's probe missed it"

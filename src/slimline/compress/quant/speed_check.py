@@ -1,0 +1,169 @@
+"""Time the static candidates before calibrating on every row (``speed_check``).
+
+A static INT8 model's speed does not depend on its ranges: the scales and zero points are
+constants of the same graph, run by the same kernels. So the automatic search builds its static
+candidates from the ranges of a few calibration rows, times them interleaved with FP32, and
+calibrates on all rows only when one of them can be faster. Where none can (static INT8 slower
+than FP32: an AVX2-only CPU, where U8S8 runs 7-bit weights without VNNI, on a model whose
+float kernels are already fast), those candidates are recorded with their timing and the search
+goes on with the dynamic ones: no full calibration, no evaluation, no second timing of files
+that cannot be kept. On the README's main job on an AVX2-only CPU, the full calibration alone
+was 30 s of a 104 s step.
+
+What settles it, from the per-round medians of the interleaved rounds (at most
+:data:`~.trial.RANK_ROUNDS`):
+
+* every candidate's median can no longer beat FP32's by ``min_gain`` (the bound of
+  :func:`~slimline.measure.latency.median_cannot_win`, the same the search applies before
+  retiring a trial): none can be faster, the full calibration is skipped;
+* any candidate beat FP32 by ``min_gain`` in one round: it may be faster, so all rows are
+  calibrated and the search runs as it would without the check;
+* anything else (a candidate that failed to build or time on the few rows' ranges, rounds that
+  settled neither way): calibrated on all rows, as without the check. The check only ever skips
+  work whose result could not have been kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import error_text, is_user_error
+from ...measure.latency import median_cannot_win
+from .calibrate import Calibration
+from .config import QuantizeConfig, QuantSpec
+from .plan import PrecisionPlan
+from .trial import RANK_ROUNDS, Search, Trial
+
+__all__ = ["SpeedCheck", "speed_check", "wants_speed_check"]
+
+log = logging.getLogger("slimline.quantize")
+
+
+@dataclass
+class SpeedCheck:
+    """What the check found: the few rows' calibration, the static trials built on it (timed),
+    whether none of them can be faster than FP32, and the record for the manifest."""
+
+    calibration: Calibration | None
+    trials: list[Trial] = field(default_factory=list)
+    slow: bool = False
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def wants_speed_check(
+    cfg: QuantizeConfig, objective: str, tries: list[tuple[QuantSpec, Any]]
+) -> bool:
+    """Whether the search checks its static candidates' speed first: automatic mode with the
+    check on; the latency objective (for ``size`` a slower INT8 file still counts); dynamic
+    candidates beside the static ones (with none, the static candidates are all the INT8 the
+    step offers: it calibrates them as it always did, so that other runtimes and NNCF's
+    candidates still judge them); and a full calibration of more than twice the check's rows
+    (with fewer, the check would save less than it costs)."""
+    modes = {spec.mode for spec, _ in tries}
+    return (
+        cfg.mode == "auto"
+        and cfg.speed_check
+        and objective == "latency"
+        and {"static", "dynamic"} <= modes
+        and cfg.samples > 2 * cfg.speed_check_rows
+    )
+
+
+def speed_check(
+    s: Search,
+    statics: list[tuple[QuantSpec, PrecisionPlan]],
+    calibrate_rows: Callable[[], Calibration],
+) -> SpeedCheck:
+    """Calibrate on a few rows (``calibrate_rows``, with every method ``statics`` use: ONNX
+    Runtime's quantizer checks that a cache's method is the one asked for), build ``statics``
+    on those ranges, time them
+    interleaved with FP32; see the module's docstring for what settles it. ``s.caches`` is left
+    on the few rows' ranges; the caller replaces it when it calibrates on all rows."""
+    t0 = time.perf_counter()
+    try:
+        calib = calibrate_rows()
+    except Exception as err:  # the full calibration will meet it again, and say so
+        if is_user_error(err):
+            raise
+        return SpeedCheck(
+            None, record={"result": f"not run: calibration failed: {error_text(err)}"}
+        )
+    s.caches = calib.caches
+    where = s.out_dir / "speed-check"
+    trials = [s.build(spec, plan, plan.tag, where=where) for spec, plan in statics]
+    out = SpeedCheck(calib, trials)
+    out.record = {"rows": calib.samples, "trials": [t.name for t in trials]}
+    failed = [t for t in trials if t.failure]
+    if failed:
+        out.record["result"] = (
+            f"{failed[0].name} could not be built or loaded on the ranges of "
+            f"{calib.samples} rows ({failed[0].failure}): calibrating on all rows"
+        )
+    else:
+        _settle(s, out)
+    out.record["slow"] = out.slow
+    out.record["wall_s"] = round(time.perf_counter() - t0, 3)
+    log.info("quantize: speed check: %s", out.record["result"])
+    return out
+
+
+def _settle(s: Search, out: SpeedCheck) -> None:
+    """Time ``out.trials`` interleaved with FP32 until it is settled; fills ``out``."""
+    base, gain = s.ctx.baseline.name, s.ctx.recipe.budget.min_gain
+    horizon = min(RANK_ROUNDS, s.ctx.recipe.bench.rounds)
+    names = {t.name for t in out.trials}
+    won: list[str] = []
+
+    def retire(p50s: dict[str, list[float]]) -> list[str]:
+        fp32 = p50s.get(base) or []
+        for n in sorted(names):
+            mine = p50s.get(n) or []
+            if fp32 and len(mine) == len(fp32) and mine[-1] < (1.0 - gain) * fp32[-1]:
+                won.append(n)
+        if won or len(fp32) >= horizon:
+            return sorted(names)  # settled, or out of rounds: the benchmark ends
+        return [n for n in names if median_cannot_win(fp32, p50s.get(n) or [], horizon, gain)]
+
+    try:
+        figures = s.ctx.compare_retiring([s.ctx.baseline, *map(s.candidate, out.trials)], retire)
+    except Exception as err:
+        if is_user_error(err):
+            raise
+        out.record["result"] = f"timing failed ({error_text(err)}): calibrating on all rows"
+        return
+    fp32 = figures[base]["latency_ms"]
+    for t in out.trials:
+        t.latency, t.fp32 = figures[t.name]["latency_ms"], fp32
+    if won:
+        out.record["result"] = (
+            f"{won[0]} beat FP32 by {gain:.0%} in a round: it may be faster, calibrating on all rows"
+        )
+        return
+    fp32_median = float(np.median(fp32["per_round_p50"]))
+    rounds = {t.name: figures[t.name]["latency_ms"]["per_round_p50"] for t in out.trials}
+    ratios = {n: float(np.median(r)) / fp32_median for n, r in rounds.items()}
+    if any(r < 1.0 - gain for r in ratios.values()):
+        out.record["result"] = f"not settled in {horizon} rounds: calibrating on all rows"
+        return
+    out.slow = True
+    rows = out.calibration.samples if out.calibration else 0
+    for t in out.trials:
+        t.slow_at_any_range = (
+            f"{ratios[t.name]:.2f}x FP32 latency (median of {len(rounds[t.name])} interleaved "
+            f"rounds), timed on the ranges of {rows} calibration rows before calibrating on all "
+            "of them: its speed does not depend on its ranges, so no calibration makes it "
+            "faster; not calibrated on the other rows, not evaluated"
+        )
+        t.budget_reason = "not evaluated (static INT8 cannot be faster than FP32 here)"
+    shown = ", ".join(f"{n} {r:.2f}x" for n, r in sorted(ratios.items()))
+    out.record["ratios_vs_fp32"] = {n: round(r, 4) for n, r in sorted(ratios.items())}
+    out.record["result"] = (
+        f"no static candidate can beat FP32 by {gain:.0%} ({shown}): not calibrated on all "
+        "rows; the search goes on without them"
+    )

@@ -1,0 +1,142 @@
+"""The speed check: the static candidates are timed on a few rows' ranges before the full
+calibration, and calibrated on all rows only when one can be faster than FP32. The settling
+rules run on crafted per-round latencies (no verdict depends on this machine's timing); the
+step runs on the tiny encoder with FP32's timing scaled, so that INT8 is forced slower or faster
+on every CPU kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from quant_fixtures import (
+    crafted_search,
+    crafted_trial,
+    encoder_task,
+    fp32_timed,
+    make_ctx,
+)
+
+from slimline.candidate import Candidate
+from slimline.compress.quant.config import QuantizeConfig, QuantSpec
+from slimline.compress.quant.speed_check import SpeedCheck, _settle, wants_speed_check
+from slimline.compress.quant.step import quantize_step
+from slimline.cpu import detect as detect_cpu
+
+
+def test_static_candidates_slower_than_fp32_are_set_aside_once_none_can_win(
+    tmp_path: Path,
+) -> None:
+    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
+    per_round = {
+        "fp32-onnx": [10.0, 10.1, 9.9, 10.0, 10.0],
+        a.name: [11.6, 11.7, 11.5, 11.6, 11.6],
+        b.name: [10.0, 9.9, 10.1, 10.0, 10.0],  # as fast as FP32: cannot beat it by 3% either
+    }
+    seen: dict[str, int] = {}
+    s = crafted_search(tmp_path, per_round, seen)
+    out = SpeedCheck(None, [a, b])
+    _settle(s, out)
+    # two rounds settle it: with a third, neither median can fall below 0.97x FP32's
+    assert seen == {"fp32-onnx": 2, a.name: 2, b.name: 2}
+    assert out.slow and out.record["ratios_vs_fp32"][a.name] == pytest.approx(1.16, abs=0.01)
+    assert a.slow_at_any_range is not None and a.slow_at_any_range.startswith("1.16x FP32")
+    assert "not calibrated on the other rows, not evaluated" in a.slow_at_any_range
+    # set aside: recorded with their reason, never judged, timed again, built on or chosen
+    s.trials = [a, b]
+    assert s.usable() == []
+    assert s.reason(a).startswith("not faster than FP32 at any ranges: 1.16x")
+
+
+def test_a_static_candidate_that_wins_a_round_sends_the_search_to_full_calibration(
+    tmp_path: Path,
+) -> None:
+    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
+    per_round = {
+        "fp32-onnx": [10.0, 10.0, 10.0, 10.0, 10.0],
+        a.name: [12.0, 12.0, 12.0, 12.0, 12.0],
+        b.name: [10.0, 9.6, 10.0, 10.0, 10.0],  # 4% faster in round 2: it may be faster
+    }
+    seen: dict[str, int] = {}
+    s = crafted_search(tmp_path, per_round, seen)
+    out = SpeedCheck(None, [a, b])
+    _settle(s, out)
+    assert seen == {"fp32-onnx": 2, a.name: 2, b.name: 2}  # the benchmark ends at the win
+    assert not out.slow and out.record["result"].startswith(f"{b.name} beat FP32 by 3%")
+    assert a.slow_at_any_range is None and b.slow_at_any_range is None
+
+
+def test_the_check_runs_only_where_it_can_save_work() -> None:
+    static = (QuantSpec(mode="static"), None)
+    dynamic = (QuantSpec(mode="dynamic"), None)
+    both = [static, dynamic]
+    on = QuantizeConfig(samples=512)
+    assert wants_speed_check(on, "latency", both)
+    # the size objective keeps a slower INT8 file; without dynamic candidates the statics are
+    # all the INT8 the step offers; a small calibration costs less than the check
+    assert not wants_speed_check(on, "size", both)
+    assert not wants_speed_check(on, "latency", [static])
+    assert not wants_speed_check(QuantizeConfig(samples=64), "latency", both)
+    assert not wants_speed_check(QuantizeConfig(samples=512, speed_check=False), "latency", both)
+
+
+def test_speed_check_rows_outside_mode_auto_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"speed_check_rows.*is ignored outside mode auto"):
+        QuantizeConfig(mode="static", speed_check_rows=8)
+
+
+@pytest.mark.cpu_kinds
+@pytest.mark.parametrize("int8_faster", [False, True])
+def test_the_step_calibrates_on_all_rows_only_when_static_int8_can_be_faster(
+    encoder_onnx: Path, tmp_path: Path, int8_faster: bool
+) -> None:
+    """The tiny encoder has static and dynamic candidates. FP32's timing scaled 10x down makes
+    every INT8 file slower: the statics are built on 8 rows' ranges, timed, set aside, and the
+    search goes on with the dynamic ones; scaled 10x up, a static wins its first round and the
+    step calibrates on all 32 rows as it does without the check."""
+    ctx = make_ctx(encoder_task(encoder_onnx, calib_batches=4), encoder_onnx, tmp_path / "w")
+    fp32_timed(ctx, factor=10.0 if int8_faster else 0.1)
+    rr = detect_cpu().u8s8_saturates
+    cfg = QuantizeConfig(samples=32, speed_check_rows=8, reduce_range=rr, mixed_precision=False)
+    out = quantize_step(cfg, Candidate("fp32-onnx", "export", None, onnx=encoder_onnx), ctx)
+    check = out.meta["search"]["speed_check"]
+    trials = {c["name"]: c for c in out.meta["search"]["candidates"]}
+    statics = [n for n in trials if n.startswith("quantize:static")]
+    assert statics and sorted(check["trials"]) == sorted(statics)
+    assert check["slow"] is not int8_faster
+    set_aside = [n for n in trials if trials[n]["slow_at_any_range"]]
+    if int8_faster:
+        assert out.meta["calibration"]["samples"] == 32 and set_aside == []
+        assert (tmp_path / "w" / "calibration").is_dir()
+        assert all(trials[n]["fidelity"] is not None for n in statics)  # evaluated as usual
+    else:
+        assert out.meta["calibration"]["samples"] == 8
+        assert "the speed check's 8 rows only" in out.meta["calibration"]["note"]
+        assert out.meta["timings_s"]["calibrate"] == 0.0
+        assert not (tmp_path / "w" / "calibration").exists()
+        assert sorted(set_aside) == sorted(statics)
+        assert all(trials[n]["fidelity"] is None for n in statics)  # never evaluated
+        assert out.meta["config"]["mode"] == "dynamic"  # the search went on without them
+        reasons = {a.name: a.reason for a in ctx.alternatives}
+        assert all(reasons[n].startswith("not faster than FP32 at any ranges") for n in statics)
+
+
+def test_qat_is_not_trained_where_static_int8_cannot_be_faster(tmp_path: Path) -> None:
+    """PTQ missed the budget, but the speed check found static INT8 slower than FP32 at any
+    ranges: QAT's model runs the same kernels, so its training is skipped, and the record and a
+    warning say why."""
+    from slimline.compress.qat.fallback import qat_fallback
+
+    s = crafted_search(tmp_path, {}, {})
+    chosen = crafted_trial(tmp_path, "minmax")
+    chosen.budget_reason = "mean cosine 0.95 < budget 0.99"
+    ptq = Candidate("quantize", "quantize", "fp32-onnx", onnx=chosen.path)
+    record = {"speed_check": {"slow": True, "result": "no static candidate can beat FP32 by 3%"}}
+    cand = Candidate("fp32-onnx", "export", None, onnx=tmp_path / "m.onnx")
+    out = qat_fallback(QuantizeConfig(fallback="qat"), cand, s.ctx, chosen, record, ptq)  # type: ignore[arg-type]
+    assert out is ptq
+    assert (
+        "QAT skipped: no static INT8 candidate can be faster than FP32" in ptq.meta["qat_fallback"]
+    )
+    assert "missed the budget (mean cosine 0.95" in ptq.meta["qat_fallback"]
+    assert any("QAT skipped" in w for w in s.ctx.warnings)
