@@ -18,8 +18,11 @@ from quant_fixtures import (
 )
 
 from slimline.candidate import Candidate
+from slimline.compress.quant import speed_check as speed_check_mod
+from slimline.compress.quant.calibrate import Calibration
 from slimline.compress.quant.config import QuantizeConfig, QuantSpec
-from slimline.compress.quant.speed_check import SpeedCheck, _settle, wants_speed_check
+from slimline.compress.quant.plan import PrecisionPlan
+from slimline.compress.quant.speed_check import SpeedCheck, _settle, speed_check, wants_speed_check
 from slimline.compress.quant.step import quantize_step
 from slimline.cpu import detect as detect_cpu
 
@@ -70,14 +73,49 @@ def test_the_check_runs_only_where_it_can_save_work() -> None:
     static = (QuantSpec(mode="static"), None)
     dynamic = (QuantSpec(mode="dynamic"), None)
     both = [static, dynamic]
-    on = QuantizeConfig(samples=512)
+    on = QuantizeConfig()
     assert wants_speed_check(on, "latency", both)
     # the size objective keeps a slower INT8 file; without dynamic candidates the statics are
-    # all the INT8 the step offers; a small calibration costs less than the check
+    # all the INT8 the step offers
     assert not wants_speed_check(on, "size", both)
     assert not wants_speed_check(on, "latency", [static])
-    assert not wants_speed_check(QuantizeConfig(samples=64), "latency", both)
-    assert not wants_speed_check(QuantizeConfig(samples=512, speed_check=False), "latency", both)
+    assert not wants_speed_check(QuantizeConfig(speed_check=False), "latency", both)
+
+
+def _calibration(rows: int, wall_s: float) -> Calibration:
+    return Calibration(
+        caches={}, stats={}, histograms={}, ranges={}, samples=rows, chunk_rows=rows,
+        wall_s=wall_s, peak_rss_mb=0.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "wall_s", "result"),
+    [
+        (64, 1.0, "not run: 64 calibration rows, no more than twice the check's 32"),
+        # 480 more rows at 10 ms each: about 4.8 s, less than timing would cost
+        (
+            512,
+            0.32,
+            "not timed: calibrating the other 480 rows takes about 4.8 s at the check's 10 ms",
+        ),
+    ],
+)
+def test_the_check_costs_nothing_where_the_full_calibration_is_cheap(
+    tmp_path: Path, rows: int, wall_s: float, result: str
+) -> None:
+    s = crafted_search(tmp_path, {}, {})
+    calibrated: list[int] = []
+
+    def calibrate_rows() -> Calibration:
+        calibrated.append(32)
+        return _calibration(32, wall_s)
+
+    statics = [(QuantSpec(mode="static"), PrecisionPlan({}, {}))]
+    check = speed_check(s, statics, calibrate_rows, rows)
+    assert check.record["result"].startswith(result)
+    assert check.calibration is None and not check.slow and check.trials == []
+    assert calibrated == ([] if rows == 64 else [32])  # with too few rows, not even calibrated
 
 
 def test_speed_check_rows_outside_mode_auto_is_an_error() -> None:
@@ -88,12 +126,14 @@ def test_speed_check_rows_outside_mode_auto_is_an_error() -> None:
 @pytest.mark.cpu_kinds
 @pytest.mark.parametrize("int8_faster", [False, True])
 def test_the_step_calibrates_on_all_rows_only_when_static_int8_can_be_faster(
-    encoder_onnx: Path, tmp_path: Path, int8_faster: bool
+    encoder_onnx: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, int8_faster: bool
 ) -> None:
     """The tiny encoder has static and dynamic candidates. FP32's timing scaled 10x down makes
     every INT8 file slower: the statics are built on 8 rows' ranges, timed, set aside, and the
     search goes on with the dynamic ones; scaled 10x up, a static wins its first round and the
-    step calibrates on all 32 rows as it does without the check."""
+    step calibrates on all 32 rows as it does without the check. (The tiny encoder calibrates
+    in milliseconds: the check is told to time whatever the full calibration would cost.)"""
+    monkeypatch.setattr(speed_check_mod, "MIN_SAVING_S", 0.0)
     ctx = make_ctx(encoder_task(encoder_onnx, calib_batches=4), encoder_onnx, tmp_path / "w")
     fp32_timed(ctx, factor=10.0 if int8_faster else 0.1)
     rr = detect_cpu().u8s8_saturates

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +35,21 @@ import numpy as np
 
 from ...errors import error_text, is_user_error
 from ...measure.latency import median_cannot_win
+from ...signature import Signature, n_rows
+from ...task import Inputs, iter_rows
 from .calibrate import Calibration
 from .config import QuantizeConfig, QuantSpec
 from .plan import PrecisionPlan
 from .trial import RANK_ROUNDS, Search, Trial
 
-__all__ = ["SpeedCheck", "speed_check", "wants_speed_check"]
+__all__ = ["MIN_SAVING_S", "SpeedCheck", "count_rows", "speed_check", "wants_speed_check"]
 
 log = logging.getLogger("slimline.quantize")
+
+# The check times its candidates only where the full calibration it may skip costs at least
+# this much (estimated from its own rows): timing three static candidates and FP32 for two
+# rounds, at the about 1 s per candidate per round of a deciding benchmark, costs about 8 s.
+MIN_SAVING_S = 10.0
 
 
 @dataclass
@@ -60,40 +67,59 @@ def wants_speed_check(
     cfg: QuantizeConfig, objective: str, tries: list[tuple[QuantSpec, Any]]
 ) -> bool:
     """Whether the search checks its static candidates' speed first: automatic mode with the
-    check on; the latency objective (for ``size`` a slower INT8 file still counts); dynamic
+    check on; the latency objective (for ``size`` a slower INT8 file still counts); and dynamic
     candidates beside the static ones (with none, the static candidates are all the INT8 the
     step offers: it calibrates them as it always did, so that other runtimes and NNCF's
-    candidates still judge them); and a full calibration of more than twice the check's rows
-    (with fewer, the check would save less than it costs)."""
+    candidates still judge them). Whether the data make it worth it, :func:`speed_check`
+    decides."""
     modes = {spec.mode for spec, _ in tries}
     return (
         cfg.mode == "auto"
         and cfg.speed_check
         and objective == "latency"
         and {"static", "dynamic"} <= modes
-        and cfg.samples > 2 * cfg.speed_check_rows
     )
+
+
+def count_rows(batches: Iterable[Inputs], limit: int, sig: Signature | None) -> int:
+    """Rows in ``batches``, counted up to ``limit`` (the data only: no model runs)."""
+    return sum(n_rows(b, sig) for b in iter_rows(batches, limit, sig))
 
 
 def speed_check(
     s: Search,
     statics: list[tuple[QuantSpec, PrecisionPlan]],
     calibrate_rows: Callable[[], Calibration],
+    rows: int,
 ) -> SpeedCheck:
     """Calibrate on a few rows (``calibrate_rows``, with every method ``statics`` use: ONNX
     Runtime's quantizer checks that a cache's method is the one asked for), build ``statics``
-    on those ranges, time them
-    interleaved with FP32; see the module's docstring for what settles it. ``s.caches`` is left
-    on the few rows' ranges; the caller replaces it when it calibrates on all rows."""
+    on those ranges, time them interleaved with FP32; see the module's docstring for what
+    settles it. ``rows``: the rows the full calibration would run. Not run with at most twice
+    the check's rows; not timed where calibrating the other rows would cost less than
+    :data:`MIN_SAVING_S` (at the check's own time per row). ``s.caches`` is left on the few
+    rows' ranges; the caller replaces it when it calibrates on all rows."""
     t0 = time.perf_counter()
+    want = s.cfg.speed_check_rows
+    if rows <= 2 * want:
+        why = f"{rows} calibration rows, no more than twice the check's {want}"
+        return SpeedCheck(None, record={"result": f"not run: {why}", "slow": False})
     try:
         calib = calibrate_rows()
     except Exception as err:  # the full calibration will meet it again, and say so
         if is_user_error(err):
             raise
-        return SpeedCheck(
-            None, record={"result": f"not run: calibration failed: {error_text(err)}"}
+        why = f"calibration failed: {error_text(err)}"
+        return SpeedCheck(None, record={"result": f"not run: {why}", "slow": False})
+    per_row = calib.wall_s / max(calib.samples, 1)
+    rest = (rows - calib.samples) * per_row
+    if rest < MIN_SAVING_S:
+        why = (
+            f"calibrating the other {rows - calib.samples} rows takes about {rest:.1f} s at the "
+            f"check's {per_row * 1e3:.0f} ms per row, less than timing the static candidates "
+            f"would ({MIN_SAVING_S:g} s or more)"
         )
+        return SpeedCheck(None, record={"result": f"not timed: {why}", "slow": False})
     s.caches = calib.caches
     where = s.out_dir / "speed-check"
     trials = [s.build(spec, plan, plan.tag, where=where) for spec, plan in statics]

@@ -31,7 +31,7 @@ from .distribution import analyse, weight_stats
 from .mixed import mixed_precision
 from .plan import resolve_plan
 from .prepare import Prepared, prepare
-from .speed_check import SpeedCheck, speed_check, wants_speed_check
+from .speed_check import SpeedCheck, count_rows, speed_check, wants_speed_check
 from .trial import Search, Trial
 
 __all__ = ["QuantizeConfig", "for_openvino", "quantize_step"]
@@ -122,10 +122,11 @@ def _ranges(
     methods: set[str] = {t.calibration for t, _ in tries if t.mode == "static"} or {"minmax"}
     if wants_speed_check(cfg, ctx.recipe.budget.objective, tries):
         statics = [t for t in tries if t[0].mode == "static"]
-        rows = cfg.speed_check_rows
+        few = cfg.speed_check_rows
         with s.timed("speed_check"):
+            rows = count_rows(ctx.task.calibration_data(), cfg.samples, ctx.task.signature)
             check = speed_check(
-                s, statics, lambda: _calibrate(cfg, prepared, methods, ctx, rows=rows)
+                s, statics, lambda: _calibrate(cfg, prepared, methods, ctx, rows=few), rows
             )
         if check.slow and check.calibration is not None:
             return check.calibration, check
