@@ -6,7 +6,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from ..records import QuantizeRecord, quantize_record
+from ..records import QuantizeRecord, TrialSummary, quantize_record
 from . import section
 from .html import fmt, table
 from .plots import figure, png_img
@@ -55,7 +55,7 @@ def search(m: dict[str, Any], run_dir: Path) -> str | None:
             t.get("ratio_vs_fp32"),
             (t.get("fidelity") or {}).get("cosine_mean"),
             t.get("metric"),
-            "yes" if t.get("budget_ok") else "no",
+            _in_budget(t),
         ]
         for t in meta.get("search", {}).get("candidates", [])
     ]
@@ -66,6 +66,12 @@ def search(m: dict[str, Any], run_dir: Path) -> str | None:
     out += _facts(meta)
     out += _precision(meta)
     return out
+
+
+def _in_budget(t: TrialSummary) -> str:
+    if t.get("slow_at_any_range"):  # set aside by the speed check: never evaluated
+        return "not evaluated (slower than FP32 at any ranges)"
+    return "yes" if t.get("budget_ok") else "no"
 
 
 def _alternatives(m: dict[str, Any]) -> str:
@@ -90,8 +96,14 @@ def _facts(meta: QuantizeRecord) -> str:
             _e(
                 f"{cal.get('samples')} samples in chunks of {cal.get('chunk_rows')}, "
                 f"{cal.get('wall_s')} s, peak RSS {cal.get('peak_rss_mb')} MB"
+                + (f" ({cal['note']})" if cal.get("note") else "")
             ),
         ],
+        *(
+            [["speed check (static candidates timed first)", _e(check["result"])]]
+            if (check := meta.get("search", {}).get("speed_check"))
+            else []
+        ),
         ["step time", _e(f"{meta.get('step_wall_s')} s: {meta.get('timings_s')}")],
         [
             "calibration vs evaluation ranges",

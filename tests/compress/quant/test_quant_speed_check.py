@@ -159,6 +159,12 @@ def test_the_step_calibrates_on_all_rows_only_when_static_int8_can_be_faster(
         assert out.meta["config"]["mode"] == "dynamic"  # the search went on without them
         reasons = {a.name: a.reason for a in ctx.alternatives}
         assert all(reasons[n].startswith("not faster than FP32 at any ranges") for n in statics)
+        from slimline.report import quantization
+
+        chosen = {"name": "quantize", "step": "quantize", "accepted": False, "meta": out.meta}
+        html = quantization.search({"candidates": [chosen]}, tmp_path) or ""
+        assert "not evaluated (slower than FP32 at any ranges)" in html
+        assert "speed check (static candidates timed first)" in html and "no static" in html
 
 
 def test_qat_is_not_trained_where_static_int8_cannot_be_faster(tmp_path: Path) -> None:
