@@ -142,7 +142,9 @@ def test_the_step_calibrates_on_all_rows_only_when_static_int8_can_be_faster(
     check = out.meta["search"]["speed_check"]
     trials = {c["name"]: c for c in out.meta["search"]["candidates"]}
     statics = [n for n in trials if n.startswith("quantize:static")]
-    assert statics and sorted(check["trials"]) == sorted(statics)
+    # one file per graph: the percentile setting writes the minmax one's graph, other ranges
+    percentile = [n for n in statics if "percentile" in n]
+    assert percentile and sorted(check["trials"]) == sorted(set(statics) - set(percentile))
     assert check["slow"] is not int8_faster
     set_aside = [n for n in trials if trials[n]["slow_at_any_range"]]
     if int8_faster:
@@ -156,6 +158,9 @@ def test_the_step_calibrates_on_all_rows_only_when_static_int8_can_be_faster(
         assert not (tmp_path / "w" / "calibration").exists()
         assert sorted(set_aside) == sorted(statics)
         assert all(trials[n]["fidelity"] is None for n in statics)  # never evaluated
+        twin = trials[percentile[0]]
+        assert twin["slow_at_any_range"].startswith("not built: the same graph as quantize:")
+        assert twin["size_bytes"] is None and twin["ratio_vs_fp32"] is not None
         assert out.meta["config"]["mode"] == "dynamic"  # the search went on without them
         reasons = {a.name: a.reason for a in ctx.alternatives}
         assert all(reasons[n].startswith("not faster than FP32 at any ranges") for n in statics)
@@ -186,3 +191,19 @@ def test_qat_is_not_trained_where_static_int8_cannot_be_faster(tmp_path: Path) -
     )
     assert "missed the budget (mean cosine 0.95" in ptq.meta["qat_fallback"]
     assert any("QAT skipped" in w for w in s.ctx.warnings)
+
+
+def test_settings_that_differ_only_in_calibration_are_timed_as_one_graph() -> None:
+    from slimline.compress.quant.speed_check import same_graph
+
+    plan = PrecisionPlan({"a": "int8", "b": "int8"}, {})
+    edges = PrecisionPlan({"a": "float", "b": "int8"}, {})
+    u8s8 = QuantSpec(mode="static")
+    statics = [
+        (u8s8, plan),
+        (QuantSpec(mode="static", calibration="percentile", percentile=99.9), plan),
+        (QuantSpec(mode="static", weight_type="uint8"), plan),  # another format
+        (QuantSpec(mode="static", calibration="entropy"), edges),  # other float nodes
+        (QuantSpec(mode="static", calibration="entropy"), plan),
+    ]
+    assert same_graph(statics) == [[0, 1, 4], [2], [3]]

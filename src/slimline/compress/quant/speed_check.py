@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -122,10 +123,13 @@ def speed_check(
         return SpeedCheck(None, record={"result": f"not timed: {why}", "slow": False})
     s.caches = calib.caches
     where = s.out_dir / "speed-check"
-    trials = [s.build(spec, plan, plan.tag, where=where) for spec, plan in statics]
-    out = SpeedCheck(calib, trials)
-    out.record = {"rows": calib.samples, "trials": [t.name for t in trials]}
-    failed = [t for t in trials if t.failure]
+    groups = same_graph(statics)
+    built = [
+        s.build(statics[g[0]][0], statics[g[0]][1], statics[g[0]][1].tag, where) for g in groups
+    ]
+    out = SpeedCheck(calib, built)
+    out.record = {"rows": calib.samples, "trials": [t.name for t in built]}
+    failed = [t for t in built if t.failure]
     if failed:
         out.record["result"] = (
             f"{failed[0].name} could not be built or loaded on the ranges of "
@@ -133,6 +137,8 @@ def speed_check(
         )
     else:
         _settle(s, out)
+    if out.slow:
+        out.trials = _with_twins(statics, groups, built, where)
     out.record["slow"] = out.slow
     out.record["wall_s"] = round(time.perf_counter() - t0, 3)
     log.info("quantize: speed check: %s", out.record["result"])
@@ -193,3 +199,39 @@ def _settle(s: Search, out: SpeedCheck) -> None:
         f"no static candidate can beat FP32 by {gain:.0%} ({shown}): not calibrated on all "
         "rows; the search goes on without them"
     )
+
+
+def same_graph(statics: list[tuple[QuantSpec, PrecisionPlan]]) -> list[list[int]]:
+    """``statics`` (by index) grouped by the graph they write: the same format, ops and float
+    nodes, only the calibration (and with it the ranges, constants of that graph) differing.
+    The check builds and times the first of each group."""
+    groups: dict[tuple[QuantSpec, tuple[str, ...]], list[int]] = {}
+    for i, (spec, plan) in enumerate(statics):
+        key = (replace(spec, calibration="minmax", percentile=99.99), tuple(plan.float_nodes))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _with_twins(
+    statics: list[tuple[QuantSpec, PrecisionPlan]],
+    groups: list[list[int]],
+    built: list[Trial],
+    where: Path,
+) -> list[Trial]:
+    """Every static setting as a set-aside trial, in ``statics``' order: the first of each group
+    as built, the others with the timing and kernels of that file (they were not written)."""
+    out: dict[int, Trial] = {}
+    for group, first in zip(groups, built, strict=True):
+        out[group[0]] = first
+        for i in group[1:]:
+            spec, plan = statics[i]
+            t = Trial(
+                spec, plan, where / f"{spec.slug}{plan.tag}.onnx", kernels=dict(first.kernels)
+            )
+            t.latency, t.fp32, t.budget_reason = first.latency, first.fp32, first.budget_reason
+            t.slow_at_any_range = (
+                f"not built: the same graph as {first.name}, only its calibration differs; "
+                f"that file ran at {first.slow_at_any_range}"
+            )
+            out[i] = t
+    return [out[i] for i in sorted(out)]
