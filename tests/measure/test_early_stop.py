@@ -289,6 +289,24 @@ def test_a_decision_round_of_a_slow_model_runs_about_a_second_and_never_under_th
     assert decision_runs([("b", slow)], x, 10) == 10  # never more than configured
 
 
+def test_reported_figures_of_a_slow_model_keep_the_floor_of_two_hundred_runs() -> None:
+    """The final figures are reported, not decided: a slow model runs fewer than the configured
+    runs per round, but never fewer than REPORT_MIN_RUNS over the rounds (the README's p99
+    floor); a model whose configured runs fit REPORT_ROUND_S keeps them. Run times come from
+    the warm-up (``took``), as in a benchmark."""
+    from slimline.measure.latency import REPORT_MIN_RUNS, REPORT_ROUND_S, report_runs
+
+    x = {"x": np.zeros((1, 1), np.float32)}
+    fast, slow = _Sleeper(0.0), _Sleeper(0.0)
+    bench = BenchConfig(rounds=5, runs_per_round=60)
+    assert REPORT_ROUND_S < 0.045 * 60  # a 45 ms model's configured round is too long
+    runs = report_runs([("a", fast), ("b", slow)], x, bench, {"a": 0.001, "b": 0.045})
+    assert runs == REPORT_MIN_RUNS // 5 and runs * bench.rounds >= REPORT_MIN_RUNS
+    assert report_runs([("a", fast)], x, bench, {"a": 0.001}) == 60
+    three = BenchConfig(rounds=3, runs_per_round=100)
+    assert report_runs([("b", slow)], x, three, {"b": 0.2}) == 67  # ceil(200 / 3)
+
+
 class _Counter(_Sleeper):
     """A sleeping runner that counts its calls."""
 

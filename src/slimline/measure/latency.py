@@ -56,6 +56,12 @@ _PCTS = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 # round made a third of its wall time (bench/RESULTS-zoo-avx2.md)
 DECISION_ROUND_S = 1.0
 DECISION_MIN_RUNS = 15
+# The final figures (a report, never a decision) run ``runs_per_round`` per round, or fewer
+# where a round of the slowest model would take over REPORT_ROUND_S, but never fewer than
+# REPORT_MIN_RUNS over all rounds (the README's floor for p99): a 45 ms model then runs 40 per
+# round, not 60, which on an AVX2-only CPU was 4.5 s of each timed pair of the main job.
+REPORT_ROUND_S = 1.5
+REPORT_MIN_RUNS = 200
 
 # After each round: the per-round p50s so far, by name; True stops the benchmark there.
 Until = Callable[[dict[str, list[float]]], bool]
@@ -361,7 +367,9 @@ def _benchmark(
         return failed
     names, runners = [k for k, _ in keyed], [r for _, r in keyed]
     runs = (
-        decision_runs(keyed, one, bench.runs_per_round, took) if decision else bench.runs_per_round
+        decision_runs(keyed, one, bench.runs_per_round, took)
+        if decision
+        else report_runs(keyed, one, bench, took)
     )
     sizes = [b for b in bench.batch_sizes if signature is None or signature.allows(b)]
     batches = {b: tile_batch(sample, b, signature) for b in sizes} if throughput else {}
@@ -451,11 +459,33 @@ def decision_runs(
     runner's run (the faster of its last two warm-up runs, ``took`` in seconds, or of two timed
     here where the warm-up had fewer) makes a round of it longer than :data:`DECISION_ROUND_S`,
     but not under :data:`DECISION_MIN_RUNS`."""
+    slowest = _slowest_run(keyed, one, took)
+    return runs_to_fill(slowest, DECISION_ROUND_S, DECISION_MIN_RUNS, runs_per_round)
+
+
+def report_runs(
+    keyed: list[tuple[str, Runner]],
+    one: Inputs,
+    bench: BenchConfig,
+    took: dict[str, float] | None = None,
+) -> int:
+    """Runs per round of a benchmark whose figures are reported: ``bench.runs_per_round``, or
+    fewer where the slowest runner makes a round longer than :data:`REPORT_ROUND_S`, but not
+    under :data:`REPORT_MIN_RUNS` over ``bench.rounds`` rounds."""
+    floor = -(-REPORT_MIN_RUNS // bench.rounds)
+    slowest = _slowest_run(keyed, one, took)
+    return runs_to_fill(slowest, REPORT_ROUND_S, floor, bench.runs_per_round)
+
+
+def _slowest_run(
+    keyed: list[tuple[str, Runner]], one: Inputs, took: dict[str, float] | None
+) -> float:
+    """Seconds per run of the slowest runner: the faster of its last two warm-up runs
+    (``took``), or of two timed here where the warm-up had fewer."""
     took = took or {}
-    slowest = max(
+    return max(
         took[k] if k in took else float(np.min(_time_runs(r, one, 2)[0])) / 1e3 for k, r in keyed
     )
-    return runs_to_fill(slowest, DECISION_ROUND_S, DECISION_MIN_RUNS, runs_per_round)
 
 
 def throughput_round_indices(rounds: int, wanted: int) -> frozenset[int]:
