@@ -20,7 +20,9 @@ and per-tensor weights cost the zoo's CNN detectors most of their INT8 fidelity
 On an x86 CPU without VNNI (``cpu.detect().u8s8_saturates``) OpenVINO, like ONNX Runtime, adds
 U8S8 products in saturating 16-bit pairs: ``overflow_fix: auto`` then quantizes every
 convolution's and MatMul's weights to half the 8-bit range (NNCF's ``OverflowFix.ENABLE``),
-and leaves NNCF's default (the first layer only) elsewhere.
+and leaves NNCF's default (the first layer only) elsewhere. With the fix on every layer there,
+the activation pairs NNCF writes as INT8 are re-encoded as UINT8, value for value
+(:mod:`.qdq_unsigned`): OpenVINO reads the signed ones to noise on such a CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..errors import RuntimeMissingError, error_text, is_user_error
 from ..signature import Signature, n_rows, split_rows
 from ..steps import Contract, step
 from ..tensors import Inputs
+from .qdq_unsigned import unsigned_activations
 
 __all__ = [
     "COMPETES",
@@ -182,6 +185,11 @@ def nncf_quantize_onnx(
         fast_bias_correction=cfg.fast_bias_correction,
         advanced_parameters=advanced_parameters(fix),
     )
+    # without VNNI OpenVINO misreads signed activation pairs. Their unsigned twins denote the
+    # same values, and with every weight 7-bit (the overflow fix on all layers) U8S8 kernels
+    # do not saturate; with 8-bit weights ONNX Runtime's U8S8 would, so those stay signed
+    no_vnni = (cpu or detect_cpu()).u8s8_saturates
+    unsigned = unsigned_activations(quantized) if no_vnni and fix == "enable" else 0
     out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(quantized, str(out))
     ops = [n.op_type for n in quantized.graph.node]
@@ -190,6 +198,7 @@ def nncf_quantize_onnx(
         "backend": "onnx",
         "opset_converted_from": converted_from,
         "overflow_fix": fix or "nncf default (first_layer_only)",
+        "activations_made_unsigned": unsigned,
         "preset": cfg.preset,
         "model_type": "transformer" if model_type is not None else "default",
         "calibration_items": len(items),

@@ -44,6 +44,22 @@ def _qdq_weight_levels(path: Path) -> list[tuple[int, int]]:
     return out
 
 
+def _activation_zero_points(path: Path) -> set[np.dtype]:
+    """The types of the zero points of the QuantizeLinear nodes on activations."""
+    model = onnx.load(str(path))
+    consts = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    consts |= {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+        for n in model.graph.node
+        if n.op_type == "Constant"
+    }
+    return {
+        consts[n.input[2]].dtype
+        for n in model.graph.node
+        if n.op_type == "QuantizeLinear" and n.input[0] not in consts
+    }
+
+
 def _ir_weight_levels(path: Path) -> list[int]:
     """Largest |q| of each INT8 constant (the quantized weights) in an OpenVINO IR."""
     import openvino as ov
@@ -70,6 +86,11 @@ def test_overflow_fix_follows_the_cpu_kind(
     calib = batches(cnn_inputs, 1, 16)
     meta = nncf_quantize_onnx(old, calib, tmp_path / "onnx.onnx", cfg)
     assert meta["opset_converted_from"] == 11
+    # without VNNI (7-bit weights) the activation pairs are unsigned, which OpenVINO reads there
+    unsigned = meta["activations_made_unsigned"]
+    assert (unsigned > 0) == saturates
+    kinds = _activation_zero_points(tmp_path / "onnx.onnx")
+    assert (kinds == {np.dtype(np.uint8)}) if saturates else (np.dtype(np.int8) in kinds)
     levels = _qdq_weight_levels(tmp_path / "onnx.onnx")
     assert len(levels) == 5 and all(channels > 1 for _, channels in levels[:4])  # per channel
     ir_meta = nncf_ov_quantize(cnn_onnx, batches(cnn_inputs, 1, 16), tmp_path / "ov.xml", cfg)

@@ -1,0 +1,82 @@
+"""Signed activations of a QDQ graph, re-encoded as unsigned without changing a value.
+
+NNCF's ONNX backend quantizes every activation to INT8 (zero point 0 for its symmetric preset,
+another for ``mixed``). On an x86 CPU without VNNI, OpenVINO 2026.4 reads such a file to noise:
+PP-OCRv4's detector gave a mean cosine of 0.05 to FP32 on OpenVINO and 0.98 on ONNX Runtime,
+with the overflow fix on or off. The same file with its activation pairs re-encoded as UINT8
+gave 0.976 on OpenVINO (bench/RESULTS-zoo-avx2.md). The re-encoding is exact: ``q_u8 = q_s8 +
+128`` with ``zero_point_u8 = zero_point_s8 + 128`` on the QuantizeLinear and on every
+DequantizeLinear that reads it dequantizes to the same values, and the saturation bounds
+(-128..127 against 0..255) move with it. Weights keep their signed encoding (U8S8, the
+format x86 kernels take). Kernels are another matter: without VNNI a U8S8 kernel adds its
+products in saturating 16-bit pairs, so the re-encoding is for files whose weights are 7-bit
+(NNCF's overflow fix on every layer); with those, ONNX Runtime gives the same outputs for both
+encodings (tests/compress/quant/test_qdq_unsigned.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["unsigned_activations"]
+
+
+def unsigned_activations(model: Any) -> int:
+    """Re-encode ``model``'s signed activation Q/DQ pairs as unsigned, in place; returns how many
+    QuantizeLinear nodes changed. An activation's QuantizeLinear (its input is not a constant)
+    with an INT8 zero point changes when every node reading it is a DequantizeLinear with the
+    same zero point and it is not a graph output; anything else is left as it was."""
+    from onnx import TensorProto, numpy_helper
+
+    g = model.graph
+    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consts |= {
+        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
+        for n in g.node
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+    }
+    readers: dict[str, list[Any]] = {}
+    for n in g.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    outputs = {o.name for o in g.output}
+    changed: set[str] = set()
+    old: set[str] = set()
+    for q in [n for n in g.node if n.op_type == "QuantizeLinear"]:
+        zp = consts.get(q.input[2]) if len(q.input) > 2 else None
+        if q.input[0] in consts or zp is None or zp.dtype != np.int8 or q.output[0] in outputs:
+            continue
+        dqs = readers.get(q.output[0], [])
+        if not dqs or any(
+            d.op_type != "DequantizeLinear"
+            or len(d.input) < 3
+            or not np.array_equal(consts.get(d.input[2], np.array(None)), zp)
+            for d in dqs
+        ):
+            continue
+        name = f"{q.output[0]}_zero_point_u8"
+        u8 = (zp.astype(np.int16) + 128).astype(np.uint8)
+        g.initializer.append(numpy_helper.from_array(u8, name))
+        for node in (q, *dqs):
+            old.add(node.input[2])
+            node.input[2] = name
+        changed.add(q.output[0])
+    for vi in g.value_info:
+        if vi.name in changed:
+            vi.type.tensor_type.elem_type = TensorProto.UINT8
+    _drop_unread(g, old)
+    return len(changed)
+
+
+def _drop_unread(g: Any, names: set[str]) -> None:
+    """Remove the signed zero points no node reads any more (initializers or Constant nodes)."""
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    gone = names - read
+    keep = [i for i in g.initializer if i.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    nodes = [n for n in g.node if not (n.op_type == "Constant" and n.output[0] in gone)]
+    del g.node[:]
+    g.node.extend(nodes)
