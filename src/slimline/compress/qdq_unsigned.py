@@ -30,20 +30,16 @@ def unsigned_activations(model: Any) -> int:
     same zero point and it is not a graph output; anything else is left as it was."""
     from onnx import TensorProto, numpy_helper
 
+    from .qat.qdq import drop_unused, graph_constants
+
     g = model.graph
-    consts = {i.name: numpy_helper.to_array(i) for i in g.initializer}
-    consts |= {
-        n.output[0]: numpy_helper.to_array(n.attribute[0].t)
-        for n in g.node
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
-    }
+    consts = graph_constants(g)
     readers: dict[str, list[Any]] = {}
     for n in g.node:
         for name in n.input:
             readers.setdefault(name, []).append(n)
     outputs = {o.name for o in g.output}
     changed: set[str] = set()
-    old: set[str] = set()
     for q in [n for n in g.node if n.op_type == "QuantizeLinear"]:
         zp = consts.get(q.input[2]) if len(q.input) > 2 else None
         if q.input[0] in consts or zp is None or zp.dtype != np.int8 or q.output[0] in outputs:
@@ -60,23 +56,10 @@ def unsigned_activations(model: Any) -> int:
         u8 = (zp.astype(np.int16) + 128).astype(np.uint8)
         g.initializer.append(numpy_helper.from_array(u8, name))
         for node in (q, *dqs):
-            old.add(node.input[2])
             node.input[2] = name
         changed.add(q.output[0])
     for vi in g.value_info:
         if vi.name in changed:
             vi.type.tensor_type.elem_type = TensorProto.UINT8
-    _drop_unread(g, old)
+    drop_unused(g)  # the signed zero points nothing reads now
     return len(changed)
-
-
-def _drop_unread(g: Any, names: set[str]) -> None:
-    """Remove the signed zero points no node reads any more (initializers or Constant nodes)."""
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    gone = names - read
-    keep = [i for i in g.initializer if i.name not in gone]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    nodes = [n for n in g.node if not (n.op_type == "Constant" and n.output[0] in gone)]
-    del g.node[:]
-    g.node.extend(nodes)

@@ -24,22 +24,34 @@ from slimline.compress.quant.config import QuantizeConfig, QuantSpec
 from slimline.compress.quant.plan import PrecisionPlan
 from slimline.compress.quant.speed_check import SpeedCheck, _settle, speed_check, wants_speed_check
 from slimline.compress.quant.step import quantize_step
+from slimline.compress.quant.trial import Search
 from slimline.cpu import detect as detect_cpu
+
+
+def _settled(
+    tmp_path: Path, fp32: list[float], a_rounds: list[float], b_rounds: list[float]
+) -> tuple[Search, SpeedCheck, dict[str, int]]:
+    """The check's timing of two static trials (a: minmax, b: percentile) on crafted per-round
+    p50s; returns the search, the check and how many rounds each name was timed."""
+    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
+    seen: dict[str, int] = {}
+    per_round = {"fp32-onnx": fp32, a.name: a_rounds, b.name: b_rounds}
+    s = crafted_search(tmp_path, per_round, seen)
+    out = SpeedCheck(None, [a, b])
+    _settle(s, out)
+    return s, out, seen
 
 
 def test_static_candidates_slower_than_fp32_are_set_aside_once_none_can_win(
     tmp_path: Path,
 ) -> None:
-    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
-    per_round = {
-        "fp32-onnx": [10.0, 10.1, 9.9, 10.0, 10.0],
-        a.name: [11.6, 11.7, 11.5, 11.6, 11.6],
-        b.name: [10.0, 9.9, 10.1, 10.0, 10.0],  # as fast as FP32: cannot beat it by 3% either
-    }
-    seen: dict[str, int] = {}
-    s = crafted_search(tmp_path, per_round, seen)
-    out = SpeedCheck(None, [a, b])
-    _settle(s, out)
+    s, out, seen = _settled(
+        tmp_path,
+        [10.0, 10.1, 9.9, 10.0, 10.0],
+        [11.6, 11.7, 11.5, 11.6, 11.6],
+        [10.0, 9.9, 10.1, 10.0, 10.0],  # as fast as FP32: cannot beat it by 3% either
+    )
+    a, b = out.trials
     # two rounds settle it: with a third, neither median can fall below 0.97x FP32's
     assert seen == {"fp32-onnx": 2, a.name: 2, b.name: 2}
     assert out.slow and out.record["ratios_vs_fp32"][a.name] == pytest.approx(1.16, abs=0.01)
@@ -54,16 +66,13 @@ def test_static_candidates_slower_than_fp32_are_set_aside_once_none_can_win(
 def test_a_static_candidate_that_wins_a_round_sends_the_search_to_full_calibration(
     tmp_path: Path,
 ) -> None:
-    a, b = crafted_trial(tmp_path, "minmax"), crafted_trial(tmp_path, "percentile")
-    per_round = {
-        "fp32-onnx": [10.0, 10.0, 10.0, 10.0, 10.0],
-        a.name: [12.0, 12.0, 12.0, 12.0, 12.0],
-        b.name: [10.0, 9.6, 10.0, 10.0, 10.0],  # 4% faster in round 2: it may be faster
-    }
-    seen: dict[str, int] = {}
-    s = crafted_search(tmp_path, per_round, seen)
-    out = SpeedCheck(None, [a, b])
-    _settle(s, out)
+    _, out, seen = _settled(
+        tmp_path,
+        [10.0, 10.0, 10.0, 10.0, 10.0],
+        [12.0, 12.0, 12.0, 12.0, 12.0],
+        [10.0, 9.6, 10.0, 10.0, 10.0],  # 4% faster in round 2: it may be faster
+    )
+    a, b = out.trials
     assert seen == {"fp32-onnx": 2, a.name: 2, b.name: 2}  # the benchmark ends at the win
     assert not out.slow and out.record["result"].startswith(f"{b.name} beat FP32 by 3%")
     assert a.slow_at_any_range is None and b.slow_at_any_range is None

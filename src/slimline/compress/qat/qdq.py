@@ -14,10 +14,10 @@ from onnx import numpy_helper
 
 from ...record import atomic_write_bytes
 
-__all__ = ["fold_constant_quantizers"]
+__all__ = ["drop_unused", "fold_constant_quantizers", "graph_constants"]
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+def graph_constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """Initializers, Constant nodes and Identity nodes of constants, by output name."""
     values = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     for node in graph.node:
@@ -48,7 +48,7 @@ def fold_constant_quantizers(path: Path) -> int:
     """Rewrite ``path`` (atomically) with constant QuantizeLinear nodes folded; returns how many."""
     model = onnx.load(str(path))
     graph = model.graph
-    values = _constants(graph)
+    values = graph_constants(graph)
     keep: list[onnx.NodeProto] = []
     folded: list[onnx.TensorProto] = []
     for node in graph.node:
@@ -63,12 +63,12 @@ def fold_constant_quantizers(path: Path) -> int:
     del graph.node[:]
     graph.node.extend(keep)
     graph.initializer.extend(folded)
-    _drop_unused(graph)
+    drop_unused(graph)
     atomic_write_bytes(path, model.SerializeToString())
     return len(folded)
 
 
-def _drop_unused(graph: onnx.GraphProto) -> None:
+def drop_unused(graph: onnx.GraphProto) -> None:
     """Remove nodes and initializers nothing reads any more (the float weights)."""
     while True:
         used: set[str] = {o.name for o in graph.output}

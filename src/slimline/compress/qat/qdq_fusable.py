@@ -23,7 +23,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ...record import atomic_write_bytes
-from .qdq import _constants, _drop_unused
+from .qdq import drop_unused, graph_constants
 
 __all__ = ["make_file_fusable", "make_fusable"]
 
@@ -34,7 +34,7 @@ def make_fusable(model: onnx.ModelProto) -> tuple[int, int]:
     """Rewrite ``model`` in place; returns (Q/DQ nodes given scalar parameters, scalar operands
     quantized)."""
     graph = model.graph
-    values = _constants(graph)
+    values = graph_constants(graph)
     return _scalar_parameters(graph, values), _quantized_operands(graph, values)
 
 
@@ -43,7 +43,7 @@ def make_file_fusable(path: Path) -> dict[str, int]:
     model = onnx.load(str(path))
     scalars, operands = make_fusable(model)
     if scalars or operands:
-        _drop_unused(model.graph)  # the one-element parameters the scalars replaced
+        drop_unused(model.graph)  # the one-element parameters the scalars replaced
         atomic_write_bytes(path, model.SerializeToString())
     return {"scalar_qdq_parameters": scalars, "quantized_scalar_operands": operands}
 
