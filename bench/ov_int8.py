@@ -54,6 +54,9 @@ FORMATS = {
 CANDIDATES = {
     "nncf-onnx-before": "NNCF ONNX backend on the model's own opset (slimline before: per-tensor "
     "weights below opset 13), NNCF's defaults",
+    "nncf-onnx-signed": "the same ONNX-backend file as nncf-onnx/avx2 (overflow fix on every "
+    "layer) with NNCF's signed INT8 activation pairs, as slimline wrote it before re-encoding "
+    "them as UINT8 (compress/qdq_unsigned.py)",
     "nncf-onnx": "NNCF ONNX backend on an opset-13 graph (slimline now), overflow fix by kind",
     "nncf-ov": "NNCF's documented path: ov.convert_model + nncf.quantize, an OpenVINO IR, "
     "overflow fix by kind",
@@ -69,7 +72,7 @@ BENCH_SETTINGS: dict[str, Any] = {
     "peak_rss": False,
 }
 BENCH = "5 rounds x 40 runs, 5 warm-up runs"
-ONLY_FORMAT = {"nncf-onnx-before": "vnni", "qdq-u8u8": "avx2"}
+ONLY_FORMAT = {"nncf-onnx-before": "vnni", "nncf-onnx-signed": "avx2", "qdq-u8u8": "avx2"}
 
 
 def recipe_doc(name: str, work: Path, runtime: str, rows: int | None) -> dict[str, Any]:
@@ -141,6 +144,11 @@ def build_one(ctx: Any, cand: str, fmt: str, where: Path) -> tuple[Path, dict[st
         return path, nncf_quantize_onnx(src, calib, path, cfg, ctx.task.signature, cpu)
     if cand == "nncf-onnx-before":
         return path, _nncf_before(ctx, path)
+    if cand == "nncf-onnx-signed":  # the fix on every layer, on a kind that re-encodes nothing
+        signed = NncfConfig(overflow_fix="enable")
+        return path, nncf_quantize_onnx(
+            src, calib, path, signed, ctx.task.signature, FORMATS["vnni"]
+        )
     return path, _qdq(ctx, path, fmt, u8u8=cand == "qdq-u8u8")
 
 

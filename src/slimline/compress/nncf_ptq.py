@@ -21,7 +21,7 @@ On an x86 CPU without VNNI (``cpu.detect().u8s8_saturates``) OpenVINO, like ONNX
 U8S8 products in saturating 16-bit pairs: ``overflow_fix: auto`` then quantizes every
 convolution's and MatMul's weights to half the 8-bit range (NNCF's ``OverflowFix.ENABLE``),
 and leaves NNCF's default (the first layer only) elsewhere. With the fix on every layer there,
-the activation pairs NNCF writes as INT8 are re-encoded as UINT8, value for value
+the activation pairs NNCF writes as INT8 are re-encoded as UINT8, the same dequantized values
 (:mod:`.qdq_unsigned`): OpenVINO reads the signed ones to noise on such a CPU.
 """
 
